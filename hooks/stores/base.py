@@ -1,0 +1,64 @@
+"""The store interface the dump scheduler and the connector talk to.
+
+Keys are content-hash strings (block hash + layout coordinates such as storage row and
+rank); values are raw bytes of one block of one storage row. A store is shared by every
+thread of the dump scheduler's pool, so implementations must be thread-safe.
+
+Contract (all stores, verified by the shared store test-suite):
+
+* ``put_many`` stores each value under its key unless the key already exists (content
+  hashes are immutable, so the first value wins). It returns one flag per item: True
+  stored or already present, False skipped because the store is full. Any other failure
+  raises :class:`StoreError`; nothing is half-visible after a failed put (a reader sees
+  the whole value or no value).
+* ``get_many`` returns one ``bytes`` per key, or None when the key is missing *or its
+  data failed the integrity check* (corrupt data is never served; it is counted in
+  ``stats["corrupt"]`` and removed).
+* ``exists_many`` answers presence without reading values.
+* ``stats`` is a dict of monotonically increasing counters (puts, gets, hits, misses,
+  corrupt, errors, evictions, bytes_written, bytes_read).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class StoreError(RuntimeError):
+    """A store operation failed (unreachable server, I/O error, read-only directory)."""
+
+
+class KVStore(ABC):
+    """Abstract KV block store."""
+
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.stats: dict[str, int] = {
+            "puts": 0,
+            "gets": 0,
+            "hits": 0,
+            "misses": 0,
+            "corrupt": 0,
+            "errors": 0,
+            "evictions": 0,
+            "skipped_full": 0,
+            "bytes_written": 0,
+            "bytes_read": 0,
+        }
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]]) -> list[bool]:
+        """Store values; True per item stored or present, False when skipped (full)."""
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values per key; None when missing or corrupt."""
+
+    @abstractmethod
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Presence per key."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
+        """Release connections / handles. Idempotent."""

@@ -1,0 +1,7 @@
+"""Patch sets for vllm_ascend (one module per feature; each lists its records per era)."""
+
+from __future__ import annotations
+
+from ucm_patch.records import PatchSet
+
+PATCH_SETS: tuple[PatchSet, ...] = ()

@@ -1,0 +1,120 @@
+"""Build tiny random models locally (no hub access) for tests, the demo and benchmarks.
+
+Usage: python scripts/make_tiny_model.py KIND OUTDIR [--layers N] [--hidden H] [--seed S]
+KIND: qwen3 | qwen3_next | qwen3_small (a larger Qwen3 for benchmarks).
+
+Constraints found on vLLM CPU (see shared reference cpu-vllm.md): attention head size
+must be one the CPU backend supports (32 here); Qwen3-Next needs bf16 and linear-attention
+head dims of 128. The tokenizer is a WordLevel model trained on a few sentences.
+Idempotent: an existing complete model directory is left as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CORPUS = [
+    "hello world this is a tiny test",
+    "the quick brown fox jumps over the lazy dog",
+    "vllm runs on cpu",
+    "kv cache connector save and load per layer",
+]
+
+
+def build(kind: str, out: Path, layers: int | None, hidden: int | None, seed: int) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        CORPUS * 3,
+        trainers.WordLevelTrainer(
+            special_tokens=["<unk>", "<pad>", "<s>", "</s>"], vocab_size=1024
+        ),
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    common: dict[str, object] = dict(
+        vocab_size=1024,
+        hidden_size=hidden or 128,
+        intermediate_size=2 * (hidden or 128),
+        num_hidden_layers=layers or 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=1,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
+    extra: dict[str, object] = {}
+    model_type = kind
+    if kind == "qwen3_small":
+        model_type = "qwen3"
+        common.update(
+            hidden_size=hidden or 512,
+            intermediate_size=4 * (hidden or 512),
+            num_hidden_layers=layers or 8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            vocab_size=1024,
+        )
+    if kind == "qwen3_next":
+        n = layers or 2
+        extra = dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=2,
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+        )
+    cfg = AutoConfig.for_model(model_type, **common, **extra)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    fast.save_pretrained(out)
+    (out / "ucm_tiny.json").write_text(json.dumps({"kind": kind, "seed": seed}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kind", choices=["qwen3", "qwen3_next", "qwen3_small"])
+    ap.add_argument("outdir", type=Path)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if (args.outdir / "ucm_tiny.json").exists():
+        print(f"{args.outdir}: already built")
+        return 0
+    build(args.kind, args.outdir, args.layers, args.hidden, args.seed)
+    print(f"{args.outdir}: built {args.kind}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Shared fixtures: fresh-interpreter runs, tiny models, a clean environment.
+
+Most core tests run in a fresh subprocess (ddtrace's PatchTestCase idea): patching is
+process-global, and import order is exactly what is under test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = REPO / "models"
+PY = sys.executable
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The current environment without any UCM_PATCH* / VLLM_PLUGINS, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("UCM_PATCH") and k != "VLLM_PLUGINS"}
+    env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+RunPy = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def run_py(tmp_path: Path) -> RunPy:
+    """Run ``code`` in a fresh interpreter (cwd = tmp_path, on sys.path); return the result.
+
+    ``check=True`` (default) fails the test with the child's output when it exits non-zero.
+    """
+
+    def run(code: str, env: Mapping[str, str] | None = None, check: bool = True,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [PY, "-c", textwrap.dedent(code)],
+            cwd=tmp_path,
+            env=clean_env(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            pytest.fail(f"child exited {proc.returncode}\n--- stdout\n{proc.stdout}\n"
+                        f"--- stderr\n{proc.stderr[-6000:]}")
+        return proc
+
+    return run
+
+
+def _tiny(kind: str, dirname: str) -> Path:
+    out = MODELS / dirname
+    if not (out / "ucm_tiny.json").exists():
+        subprocess.run([PY, str(REPO / "scripts" / "make_tiny_model.py"), kind, str(out)],
+                       check=True, env=clean_env())
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> Path:
+    """Tiny random Qwen3 (2 attention layers), built locally on first use."""
+    return _tiny("qwen3", "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next() -> Path:
+    """Tiny random Qwen3-Next (layer 0 GDN linear attention, layer 1 full attention)."""
+    return _tiny("qwen3_next", "tiny-qwen3-next")

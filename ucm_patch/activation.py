@@ -1,0 +1,107 @@
+"""Process-wide activation: one registry per process, shared by every entry path.
+
+``import ucm_patch`` and vLLM's general plugin (``ucm_patch.plugin:register``) both end
+here, so toggles, strictness and idempotency behave the same whichever path (or both)
+ran. Nothing here imports vLLM or torch: records are hooked on import of their targets.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ucm_patch.registry import Registry
+from ucm_patch.toggles import env_flag
+
+_lock = threading.Lock()
+_registry: Registry | None = None
+
+
+def registry() -> Registry:
+    """The process's registry, built from every known patch set on first use."""
+    global _registry
+    if _registry is None:
+        with _lock:
+            if _registry is None:
+                from ucm_patch.patches import all_patch_sets
+
+                records = [r for ps in all_patch_sets() for r in ps.records]
+                _registry = Registry(records)
+    return _registry
+
+
+def enabled_by_env(env: Mapping[str, str] | None = None) -> bool:
+    """False when ``UCM_PATCH=0`` (or off/false/no) switches the package off."""
+    return env_flag("UCM_PATCH", env, default=True)
+
+
+def activate(
+    patches: Mapping[str, bool] | None = None,
+    *,
+    strict: bool | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Registry:
+    """Activate the enabled patches (idempotent; re-resolves toggles on each call).
+
+    Args:
+        patches: explicit per-patch switches by logical name; they win over the
+            environment and the config file.
+        strict: raise on any patch failure; default from ``UCM_PATCH_STRICT``.
+        env: environment to read (tests); default ``os.environ``.
+    """
+    env = os.environ if env is None else env
+    reg = registry()
+    if not enabled_by_env(env):
+        return reg
+    if strict is None:
+        strict = env_flag("UCM_PATCH_STRICT", env)
+    debug = env_flag("UCM_PATCH_DEBUG", env)
+    report_dir = env.get("UCM_PATCH_REPORT_DIR", "").strip()
+    if report_dir and reg.on_event is None:
+        reg.on_event = _jsonl_sink(report_dir)
+    reg.activate(patches=patches, env=env, strict=strict, debug=debug)
+    if reg.on_event is not None:
+        reg.on_event("activate", {"argv": sys.argv[:3]})
+    if debug:
+        from ucm_patch.table import format_table
+
+        print(format_table(reg.report()), file=sys.stderr)
+    return reg
+
+
+def _jsonl_sink(directory: str) -> Callable[[str, dict[str, Any]], None]:
+    """Append activation / state events to ``<dir>/ucm_patch-<pid>.jsonl``.
+
+    One file per process, written at each event (not at exit: vLLM kills its workers),
+    so a test or an operator can see which processes were patched and how.
+    """
+    import json
+    import multiprocessing
+
+    os.makedirs(directory, exist_ok=True)
+    lock = threading.Lock()
+
+    def sink(event: str, details: dict[str, Any]) -> None:
+        line = {
+            "event": event,
+            "pid": os.getpid(),
+            "process": multiprocessing.current_process().name,
+            **details,
+        }
+        with lock, open(os.path.join(directory, f"ucm_patch-{os.getpid()}.jsonl"), "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
+    return sink
+
+
+def revert() -> None:
+    """Undo every applied patch in this process."""
+    registry().revert()
+
+
+def report() -> list[dict[str, Any]]:
+    """Structured status of every known record (see ``ucm-patch status``)."""
+    return registry().report()

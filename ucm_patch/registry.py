@@ -1,0 +1,414 @@
+"""The patch registry: applies records when their target module is imported.
+
+Life of a record, per process::
+
+    activate() ── version gate ── toggle ──> waiting-for-import
+                     │                │            │ post-import hook (at once if imported)
+                     v                v            v
+              skipped-version      disabled     applied | target-missing | failed
+                                                   │ revert()
+                                                   v
+                                                reverted (or revert-refused)
+
+Guarantees (each has a test in tests/test_registry_*.py):
+
+* **Never break the host.** Whatever goes wrong while applying (target renamed, factory
+  raising, torch.library refusing) is caught at the hook boundary and recorded as
+  ``failed`` with the reason; ``import vllm`` carries on. ``UCM_PATCH_STRICT=1`` (or
+  ``strict=True``) re-raises as :class:`PatchFailed` instead, for CI.
+* **Idempotent.** A record is applied at most once per process whatever the number of
+  ``activate()`` calls or entry paths (import + plugin); a wrapper already carrying our
+  record id is recognised and never wrapped again.
+* **Thread-safe.** One ``RLock`` guards the state table. Factories (which may import) run
+  *outside* the lock, and wrapt runs post-import hooks outside its own lock, so a hook
+  firing in one thread while another thread imports cannot deadlock on the import lock.
+* **Revertible.** The exact original is restored only while the attribute still is our
+  wrapper; if something else replaced or re-wrapped it, the registry warns and leaves it.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType
+from typing import Any
+
+from ucm_patch import importhooks
+from ucm_patch.errors import PatchFailed
+from ucm_patch.records import Kind, PatchRecord
+from ucm_patch.toggles import ToggleResolver
+from ucm_patch.versions import InstalledVersion, VersionCache
+
+MARKER = "_self_ucm_patch_id"  # wrapt keeps `_self_*` attributes on the proxy itself
+
+
+class State(enum.StrEnum):
+    APPLIED = "applied"
+    WAITING = "waiting-for-import"
+    APPLYING = "applying"  # transient: a hook is applying it right now
+    SKIPPED_VERSION = "skipped-version"
+    DISABLED = "disabled"
+    TARGET_MISSING = "target-missing"
+    FAILED = "failed"
+    REVERTED = "reverted"
+    REVERT_REFUSED = "revert-refused"
+    INACTIVE = "inactive"  # known, never activated in this process
+
+
+class _Applied:
+    """What a revert needs: where the wrapper went and what it replaced."""
+
+    __slots__ = ("attribute", "library", "original", "owned_attribute", "parent", "wrapper")
+
+    def __init__(
+        self,
+        parent: Any,
+        attribute: str,
+        original: Any,
+        wrapper: Any,
+        owned_attribute: bool,
+        library: Any = None,
+    ) -> None:
+        self.parent = parent
+        self.attribute = attribute
+        self.original = original
+        self.wrapper = wrapper
+        # True when the original lived in parent.__dict__ (else it was inherited and a
+        # revert deletes our attribute instead of assigning the original back).
+        self.owned_attribute = owned_attribute
+        self.library = library  # torch.library.Library holding an op-kernel override
+
+
+class RecordStatus:
+    """Live state of one record; ``report()`` returns copies as dicts."""
+
+    def __init__(self, record: PatchRecord) -> None:
+        self.record = record
+        self.state = State.INACTIVE
+        self.reason = ""
+        self.toggle = ""
+        self.versions: dict[str, str] = {}
+        self.gated = False  # version gate evaluated for the current activation
+        self.applied: _Applied | None = None
+        self.hooked = False  # a post-import hook is registered for this activation
+
+    def as_dict(self) -> dict[str, Any]:
+        r = self.record
+        return {
+            "id": r.id,
+            "name": r.name,
+            "era": r.era,
+            "kind": r.kind.value,
+            "target": r.target,
+            "op": r.op,
+            "requires": dict(r.requires),
+            "installed": dict(self.versions),
+            "default": r.default,
+            "state": self.state.value,
+            "reason": self.reason,
+            "toggle": self.toggle,
+        }
+
+
+class Registry:
+    """Holds every known record and applies the enabled, in-range ones.
+
+    The version gate is evaluated lazily (first ``report()`` or first import of a target
+    module), because reading distribution metadata costs tens of milliseconds and
+    ``import ucm_patch`` must stay cheap. The outcome is the same as gating up front.
+    """
+
+    def __init__(self, records: Iterable[PatchRecord]) -> None:
+        self._lock = threading.RLock()
+        self._status: dict[str, RecordStatus] = {}
+        for rec in records:
+            if rec.id in self._status:
+                raise ValueError(f"duplicate patch record id {rec.id!r}")
+            self._status[rec.id] = RecordStatus(rec)
+        self.strict = False
+        self.debug = False
+        self.active = False
+        self._versions = VersionCache()
+        # Called with (event, details) on activation and every state change of a record
+        # (never on a hot path); set by activation when UCM_PATCH_REPORT_DIR is given.
+        self.on_event: Callable[[str, dict[str, Any]], None] | None = None
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(s.record.name for s in self._status.values())
+
+    def status(self, record_id: str) -> RecordStatus:
+        return self._status[record_id]
+
+    def report(self) -> list[dict[str, Any]]:
+        self._gate_pending()
+        with self._lock:
+            return [s.as_dict() for s in self._status.values()]
+
+    # -- activation ------------------------------------------------------------------------
+    def activate(
+        self,
+        patches: Mapping[str, bool] | None = None,
+        env: Mapping[str, str] | None = None,
+        strict: bool = False,
+        debug: bool = False,
+    ) -> None:
+        """Toggle and hook every record; re-running re-resolves toggles (idempotent).
+
+        Raises ConfigError for bad toggles before changing anything.
+        """
+        versions = VersionCache()
+        resolver = ToggleResolver(self.names, code=patches, env=env, versions=versions)
+        decisions = [
+            (st, resolver.decide(st.record.name, st.record.default)) for st in self._status.values()
+        ]
+        to_hook: list[RecordStatus] = []
+        to_revert: list[RecordStatus] = []
+        with self._lock:
+            self._versions = versions
+            self.strict = strict
+            self.debug = debug
+            self.active = True
+            for st, decision in decisions:
+                st.toggle = decision.source
+                if st.state is State.APPLIED or st.state is State.APPLYING:
+                    if not decision.enabled:
+                        to_revert.append(st)
+                    continue
+                st.gated = False
+                if not decision.enabled:
+                    st.state, st.reason = State.DISABLED, f"switched off by {decision.source}"
+                else:
+                    st.state, st.reason = State.WAITING, f"waiting for {st.record.module}"
+                    to_hook.append(st)
+        for st in to_revert:
+            self._revert_one(st, State.DISABLED, f"switched off by {st.toggle}")
+        for st in to_hook:
+            self._hook(st)
+
+    def _gate_pending(self) -> None:
+        """Evaluate the version gate of every waiting record not yet gated."""
+        with self._lock:
+            todo = [
+                st
+                for st in self._status.values()
+                if not st.gated and st.state in (State.WAITING, State.DISABLED)
+            ]
+            versions = self._versions
+        for st in todo:
+            shown, reason = _gate(st.record, versions)  # may read metadata: outside the lock
+            with self._lock:
+                if st.gated:
+                    continue
+                st.gated, st.versions = True, shown
+                if reason and st.state is State.WAITING:
+                    st.state, st.reason = State.SKIPPED_VERSION, reason
+
+    def _emit(self, st: RecordStatus) -> None:
+        """Tell the debug stream and the event sink about a record's new state."""
+        if self.debug:
+            print(
+                f"ucm_patch: {st.record.id}: {st.state.value} {st.reason}".rstrip(), file=sys.stderr
+            )
+        sink = self.on_event
+        if sink is not None:
+            sink("state", {"id": st.record.id, "state": st.state.value, "reason": st.reason})
+
+    def _hook(self, st: RecordStatus) -> None:
+        """Apply now if the target module is imported, else register a post-import hook."""
+        rid = st.record.id
+        with self._lock:
+            module = sys.modules.get(st.record.module)
+            register = module is None and not st.hooked
+            if register:
+                st.hooked = True
+        if module is not None:
+            self._on_import(rid, module)
+        elif register:
+            importhooks.when_imported(st.record.module, lambda m: self._on_import(rid, m))
+
+    def _on_import(self, record_id: str, module: ModuleType) -> None:
+        """Post-import hook body: never raises unless strict."""
+        st = self._status[record_id]
+        with self._lock:
+            st.hooked = False  # the hook fired; a later activation must register again
+        self._gate_pending()
+        with self._lock:
+            if st.state is not State.WAITING:
+                return  # disabled, out of range, reverted, or already applied
+            st.state, st.reason = State.APPLYING, "applying"
+            strict = self.strict
+        try:
+            applied, missing = _apply(st.record, module)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                st.state, st.reason = State.FAILED, reason
+            self._emit(st)
+            if strict:
+                raise PatchFailed(f"{record_id} on {st.record.target}: {reason}") from exc
+            return
+        with self._lock:
+            if applied is None:
+                state = State.TARGET_MISSING if st.record.optional else State.FAILED
+                st.state, st.reason = state, missing or "target not found"
+            else:
+                st.state, st.reason, st.applied = State.APPLIED, "", applied
+        self._emit(st)
+        if applied is None and strict and not st.record.optional:
+            raise PatchFailed(f"{record_id}: {missing}")
+
+    # -- revert ----------------------------------------------------------------------------
+    def revert(self) -> None:
+        """Undo every applied record and stop pending ones (hooks then do nothing)."""
+        with self._lock:
+            self.active = False
+            statuses = list(self._status.values())
+            for st in statuses:
+                if st.state is State.WAITING:
+                    st.state, st.reason = State.REVERTED, "reverted before import"
+        for st in statuses:
+            if st.state is State.APPLIED:
+                self._revert_one(st, State.REVERTED, "reverted")
+
+    def _revert_one(self, st: RecordStatus, new_state: State, reason: str) -> None:
+        with self._lock:
+            applied = st.applied
+            if applied is None:
+                return
+            current = _static_get(applied.parent, applied.attribute)
+            if current is not applied.wrapper:
+                st.state = State.REVERT_REFUSED
+                st.reason = (
+                    f"{st.record.target} is no longer our wrapper (replaced by "
+                    f"{type(current).__name__}); left as it is"
+                )
+                warnings.warn(f"ucm_patch: {st.reason}", RuntimeWarning, stacklevel=3)
+                return
+            if applied.owned_attribute:
+                setattr(applied.parent, applied.attribute, applied.original)
+            else:
+                delattr(applied.parent, applied.attribute)
+            if applied.library is not None:
+                applied.library._destroy()  # drops our kernel; the original is current again
+            st.applied = None
+            st.state, st.reason = new_state, reason
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _gate(record: PatchRecord, versions: VersionCache) -> tuple[dict[str, str], str | None]:
+    """(installed versions shown in the report, reason to skip or None)."""
+    shown: dict[str, str] = {}
+    reason: str | None = None
+    for dist, spec in record.specifiers.items():
+        found: InstalledVersion | None = versions.get(dist)
+        if found is None:
+            shown[dist] = "not installed"
+            reason = reason or f"{dist} is not installed"
+            continue
+        shown[dist] = str(found)
+        if not spec.contains(found.effective, prereleases=True):
+            reason = reason or (
+                f"{dist} {found} ({found.source}) is outside the required range {spec}"
+            )
+    return shown, reason
+
+
+def _static_get(parent: Any, attribute: str) -> Any:
+    """The attribute as stored (class ``__dict__`` for classes: no descriptor binding)."""
+    if isinstance(parent, type):
+        for klass in parent.__mro__:
+            if attribute in vars(klass):
+                return vars(klass)[attribute]
+        raise AttributeError(attribute)
+    return getattr(parent, attribute)
+
+
+def _is_ours(obj: Any, record_id: str) -> bool:
+    """True if ``obj`` or anything it wraps carries our marker for ``record_id``."""
+    seen = 0
+    while obj is not None and seen < 32:
+        if getattr(obj, MARKER, None) == record_id:
+            return True
+        obj = getattr(obj, "__wrapped__", None)
+        seen += 1
+    return False
+
+
+def _resolve(record: PatchRecord, module: Any) -> tuple[Any, str, Any] | str:
+    """(parent, attribute, original) or a reason string when the target is missing."""
+    parts = record.qualname.split(".")
+    parent = module
+    for i, part in enumerate(parts[:-1]):
+        if not hasattr(parent, part):
+            where = ".".join([record.module, *parts[:i]])
+            return f"{where} has no attribute {part!r} (target {record.target})"
+        parent = getattr(parent, part)
+    attribute = parts[-1]
+    try:
+        original = _static_get(parent, attribute)
+    except AttributeError:
+        owner = ".".join(parts[:-1]) or "<module>"
+        return f"{record.module}:{owner} has no attribute {attribute!r}"
+    return parent, attribute, original
+
+
+def _dispatch_key(record: PatchRecord) -> str:
+    key = record.dispatch_key or ""
+    if ":" not in key:
+        return key
+    mod, _, attr = key.partition(":")
+    fn: Callable[[], str] = getattr(importlib.import_module(mod), attr)
+    return fn()
+
+
+def _apply(record: PatchRecord, module: Any) -> tuple[_Applied | None, str | None]:
+    """Apply one record to its imported module. Raises on unexpected errors."""
+    import wrapt  # here, not at import: see importhooks' docstring
+
+    resolved = _resolve(record, module)
+    if isinstance(resolved, str):
+        return None, resolved
+    parent, attribute, original = resolved
+    if _is_ours(original, record.id):
+        # Another registry instance (or a reloaded ucm_patch) already wrapped it.
+        return None, f"{record.target} already carries this patch; not wrapped twice"
+    owned = not isinstance(parent, type) or attribute in vars(parent)
+    wrapper = wrapt.FunctionWrapper(original, record.make_wrapper())
+    setattr(wrapper, MARKER, record.id)
+    library = None
+    if record.kind is Kind.OP_KERNEL:
+        library = _override_kernel(record, wrapper)
+    setattr(parent, attribute, wrapper)
+    return _Applied(parent, attribute, original, wrapper, owned, library), None
+
+
+def _override_kernel(record: PatchRecord, kernel: Any) -> Any:
+    """Register ``kernel`` as the op's implementation for the platform's dispatch key.
+
+    Only the kernel is overridden (``allow_override``); the op is never defined again
+    (torch rejects a duplicate definition). Destroying the returned library removes our
+    registration and the previous kernel is current again (used by revert).
+    """
+    import torch
+
+    assert record.op is not None
+    namespace, _, op_name = record.op.partition("::")
+    dispatch_key = _dispatch_key(record)
+    if not hasattr(getattr(torch.ops, namespace), op_name):
+        raise LookupError(f"torch.ops.{namespace}.{op_name} is not registered")
+    library = torch.library.Library(namespace, "IMPL")
+    try:
+        with warnings.catch_warnings():
+            # torch warns "Overriding a previously registered kernel": that is the point.
+            warnings.simplefilter("ignore", UserWarning)
+            library.impl(op_name, kernel, dispatch_key, allow_override=True)
+    except BaseException:
+        library._destroy()
+        raise
+    return library

@@ -1,0 +1,238 @@
+"""One toggle resolver for every entry path (import, plugin, CLI).
+
+Precedence, highest first (documented in the README; ddtrace #5458 shows what happens
+when two mechanisms overlap):
+
+1. explicit arguments in code: ``ucm_patch.activate(patches={"gdn_layerwise": False})``;
+2. ``UCM_PATCH_<NAME>=1|0`` (also true/false/on/off/yes/no, any case);
+3. the config file named by ``UCM_PATCH_CONFIG`` (TOML or JSON);
+4. the record's default.
+
+Toggles address the *logical* patch name, so they follow whichever era is installed.
+The config file may scope a toggle to versions::
+
+    [patches]
+    kv_ready_event = true                                  # plain switch
+    gdn_layerwise = { enabled = false, when = { "vllm-ascend" = "<0.19" } }
+
+    [[patches.reshape_cache_event]]                        # rules: first match wins
+    enabled = false
+    when = { vllm-ascend = ">=0.13,<0.23" }
+
+A rule whose ``when`` does not match the installed versions makes no decision: the
+default applies. ``UCM_PATCH=0`` switches the whole package off.
+
+Every bad input is a :class:`~ucm_patch.errors.ConfigError` naming the variable or key,
+the value, and what is accepted. Nothing is silently ignored: an unknown
+``UCM_PATCH_*`` variable or an unknown patch name in the file is an error too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ucm_patch.errors import ConfigError
+from ucm_patch.versions import DIST_ALIASES, VersionCache
+
+if TYPE_CHECKING:  # parsed lazily: only version-scoped rules need packaging
+    from packaging.specifiers import SpecifierSet
+
+ENV_PREFIX = "UCM_PATCH_"
+TRUE_WORDS = frozenset({"1", "true", "on", "yes"})
+FALSE_WORDS = frozenset({"0", "false", "off", "no"})
+ACCEPTED_BOOL = "1/0, true/false, on/off, yes/no"
+
+# UCM_PATCH_* variables that are settings, not patch toggles.
+SETTING_VARS = frozenset(
+    {
+        "UCM_PATCH_STRICT",
+        "UCM_PATCH_DEBUG",
+        "UCM_PATCH_CONFIG",
+        "UCM_PATCH_REPORT_DIR",
+        "UCM_PATCH_VLLM_VERSION",
+        "UCM_PATCH_VLLM_ASCEND_VERSION",
+    }
+)
+
+
+def parse_bool(value: str, where: str) -> bool:
+    """Parse an on/off word; ``where`` names the variable or key for the error."""
+    word = value.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ConfigError(f"{where}={value!r} is not a switch; accepted: {ACCEPTED_BOOL}")
+
+
+def env_flag(name: str, env: Mapping[str, str] | None = None, default: bool = False) -> bool:
+    """A boolean setting variable (``UCM_PATCH_STRICT`` ...); unset or empty = default."""
+    env = os.environ if env is None else env
+    value = env.get(name, "")
+    if not value.strip():
+        return default
+    return parse_bool(value, name)
+
+
+def env_var_for(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+class Rule(NamedTuple):
+    enabled: bool
+    when: Mapping[str, SpecifierSet]
+    where: str  # file + key, for the report
+
+
+class Decision(NamedTuple):
+    enabled: bool
+    source: str  # "code", "env UCM_PATCH_X", "config <file> patches.x", "default"
+
+
+def _names_hint(known: Iterable[str]) -> str:
+    return ", ".join(sorted(known)) or "(none)"
+
+
+def load_config(path: str, known: Iterable[str]) -> dict[str, list[Rule]]:
+    """Read and validate a toggle file (TOML by default, JSON for ``*.json``)."""
+    known = set(known)
+    var = "UCM_PATCH_CONFIG"
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"{var}={path!r} cannot be read: {exc.strerror or exc}") from exc
+    try:
+        if path.endswith(".json"):
+            import json
+
+            data: Any = json.loads(raw.decode("utf-8"))
+        else:
+            import tomllib
+
+            data = tomllib.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        kind = "JSON" if path.endswith(".json") else "TOML"
+        raise ConfigError(f"{var}={path!r} is not valid {kind}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a table with a 'patches' key")
+    extra = set(data) - {"patches"}
+    if extra:
+        raise ConfigError(f"{path}: unknown top-level key(s) {sorted(extra)}; accepted: 'patches'")
+    patches = data.get("patches", {})
+    if not isinstance(patches, dict):
+        raise ConfigError(f"{path}: 'patches' must be a table of patch name -> switch")
+    rules: dict[str, list[Rule]] = {}
+    for name, value in patches.items():
+        key = f"{path}: patches.{name}"
+        if name not in known:
+            raise ConfigError(f"{key}: unknown patch name {name!r}; valid: {_names_hint(known)}")
+        items = value if isinstance(value, list) else [value]
+        rules[name] = [
+            _parse_rule(item, f"{key}[{i}]" if isinstance(value, list) else key)
+            for i, item in enumerate(items)
+        ]
+    return rules
+
+
+def _parse_rule(item: Any, key: str) -> Rule:
+    if isinstance(item, bool):
+        return Rule(enabled=item, when={}, where=key)
+    if not isinstance(item, dict):
+        raise ConfigError(
+            f"{key} = {item!r}: expected true/false or a table "
+            "{{ enabled = <bool>, when = {{ <distribution> = <PEP 440 range> }} }}"
+        )
+    extra = set(item) - {"enabled", "when"}
+    if extra:
+        raise ConfigError(f"{key}: unknown key(s) {sorted(extra)}; accepted: enabled, when")
+    if "enabled" not in item:
+        raise ConfigError(f"{key}: missing 'enabled' (true or false)")
+    enabled = item["enabled"]
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"{key}.enabled = {enabled!r}: expected true or false")
+    when_raw = item.get("when", {})
+    if not isinstance(when_raw, dict):
+        raise ConfigError(f"{key}.when = {when_raw!r}: expected a table of distribution = range")
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    when: dict[str, SpecifierSet] = {}
+    for dist, spec in when_raw.items():
+        if dist not in DIST_ALIASES:
+            raise ConfigError(
+                f"{key}.when: unknown distribution {dist!r}; accepted: {_names_hint(DIST_ALIASES)}"
+            )
+        try:
+            when[dist] = SpecifierSet(str(spec))
+        except InvalidSpecifier as exc:
+            raise ConfigError(
+                f"{key}.when.{dist} = {spec!r} is not a PEP 440 range (example: '>=0.19,<0.23')"
+            ) from exc
+    return Rule(enabled=enabled, when=when, where=key)
+
+
+class ToggleResolver:
+    """Decides, per logical patch name, whether it is enabled and why."""
+
+    def __init__(
+        self,
+        known: Iterable[str],
+        code: Mapping[str, bool] | None = None,
+        env: Mapping[str, str] | None = None,
+        versions: VersionCache | None = None,
+    ) -> None:
+        self.known = frozenset(known)
+        self.env = dict(os.environ if env is None else env)
+        self.versions = versions or VersionCache()
+        self.code = self._check_code(code or {})
+        self.env_toggles = self._read_env()
+        config_path = self.env.get("UCM_PATCH_CONFIG", "").strip()
+        self.config_path = config_path or None
+        self.rules = load_config(config_path, self.known) if config_path else {}
+
+    def _check_code(self, code: Mapping[str, bool]) -> dict[str, bool]:
+        for name, value in code.items():
+            if name not in self.known:
+                raise ConfigError(
+                    f"activate(patches=...): unknown patch name {name!r}; "
+                    f"valid: {_names_hint(self.known)}"
+                )
+            if not isinstance(value, bool):
+                raise ConfigError(
+                    f"activate(patches={{{name!r}: {value!r}}}): expected True or False"
+                )
+        return dict(code)
+
+    def _read_env(self) -> dict[str, bool]:
+        by_var = {env_var_for(n): n for n in self.known}
+        toggles: dict[str, bool] = {}
+        for var, value in self.env.items():
+            if not var.startswith(ENV_PREFIX) or var in SETTING_VARS:
+                continue
+            name = by_var.get(var)
+            if name is None:
+                valid = _names_hint(by_var) + ", " + _names_hint(SETTING_VARS)
+                raise ConfigError(
+                    f"{var} is not a ucm_patch variable; patch toggles and settings are: {valid}"
+                )
+            toggles[name] = parse_bool(value, var)
+        return toggles
+
+    def _rule_matches(self, rule: Rule) -> bool:
+        for dist, spec in rule.when.items():
+            found = self.versions.get(dist)
+            if found is None or not spec.contains(found.effective, prereleases=True):
+                return False
+        return True
+
+    def decide(self, name: str, default: bool) -> Decision:
+        if name in self.code:
+            return Decision(self.code[name], "code")
+        if name in self.env_toggles:
+            return Decision(self.env_toggles[name], f"env {env_var_for(name)}")
+        for rule in self.rules.get(name, ()):
+            if self._rule_matches(rule):
+                return Decision(rule.enabled, f"config {rule.where}")
+        return Decision(default, "default")
