@@ -6,6 +6,7 @@ process-global, and import order is exactly what is under test.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -22,13 +23,15 @@ PY = sys.executable
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The current environment without any UCM_PATCH* / VLLM_PLUGINS, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("UCM_PATCH") and k != "VLLM_PLUGINS"}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("UCM_PATCH") and k != "VLLM_PLUGINS"
+    }
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
     return env
 
 
+_counter = itertools.count()
 RunPy = Callable[..., subprocess.CompletedProcess[str]]
 
 
@@ -39,10 +42,18 @@ def run_py(tmp_path: Path) -> RunPy:
     ``check=True`` (default) fails the test with the child's output when it exits non-zero.
     """
 
-    def run(code: str, env: Mapping[str, str] | None = None, check: bool = True,
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    def run(
+        code: str,
+        env: Mapping[str, str] | None = None,
+        check: bool = True,
+        timeout: float = 300,
+        args: tuple[str, ...] = (),
+    ) -> subprocess.CompletedProcess[str]:
+        # A real file, not `python -c`: vLLM's spawned processes re-import __main__.
+        script = tmp_path / f"child_{next(_counter)}.py"
+        script.write_text(textwrap.dedent(code))
         proc = subprocess.run(
-            [PY, "-c", textwrap.dedent(code)],
+            [PY, str(script), *args],
             cwd=tmp_path,
             env=clean_env(env),
             capture_output=True,
@@ -50,8 +61,10 @@ def run_py(tmp_path: Path) -> RunPy:
             timeout=timeout,
         )
         if check and proc.returncode != 0:
-            pytest.fail(f"child exited {proc.returncode}\n--- stdout\n{proc.stdout}\n"
-                        f"--- stderr\n{proc.stderr[-6000:]}")
+            pytest.fail(
+                f"child exited {proc.returncode}\n--- stdout\n{proc.stdout}\n"
+                f"--- stderr\n{proc.stderr[-6000:]}"
+            )
         return proc
 
     return run
@@ -60,8 +73,11 @@ def run_py(tmp_path: Path) -> RunPy:
 def _tiny(kind: str, dirname: str) -> Path:
     out = MODELS / dirname
     if not (out / "ucm_tiny.json").exists():
-        subprocess.run([PY, str(REPO / "scripts" / "make_tiny_model.py"), kind, str(out)],
-                       check=True, env=clean_env())
+        subprocess.run(
+            [PY, str(REPO / "scripts" / "make_tiny_model.py"), kind, str(out)],
+            check=True,
+            env=clean_env(),
+        )
     return out
 
 

@@ -19,11 +19,14 @@ def test_import_imports_neither_vllm_nor_torch(run_py) -> None:
 
 
 def test_global_switch_off(run_py) -> None:
-    proc = run_py("""
+    proc = run_py(
+        """
         import json, ucm_patch
         print(json.dumps(sorted({r["state"] for r in ucm_patch.report()})))
         print(ucm_patch.registry().active)
-    """, env={"UCM_PATCH": "0"})
+    """,
+        env={"UCM_PATCH": "0"},
+    )
     states, active = proc.stdout.split()
     assert active == "False"
     assert set(json.loads(states)) <= {"inactive"}
@@ -85,10 +88,13 @@ def test_strict_mode_raises(run_py) -> None:
 
 
 def test_strict_from_environment(run_py) -> None:
-    proc = run_py("""
+    proc = run_py(
+        """
         import ucm_patch
         print(ucm_patch.registry().strict)
-    """, env={"UCM_PATCH_STRICT": "1"})
+    """,
+        env={"UCM_PATCH_STRICT": "1"},
+    )
     assert proc.stdout.strip() == "True"
 
 
