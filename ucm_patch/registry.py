@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
 
-from ucm_patch import importhooks
+from ucm_patch import guard, importhooks
 from ucm_patch.errors import PatchFailed
 from ucm_patch.records import Kind, PatchRecord
 from ucm_patch.toggles import ToggleResolver
@@ -176,7 +176,8 @@ class Registry:
             self.active = True
             for st, decision in decisions:
                 st.toggle = decision.source
-                if st.state is State.APPLIED or st.state is State.APPLYING:
+                if st.applied is not None or st.state is State.APPLYING:
+                    # installed (possibly failed at call time and now a pass-through)
                     if not decision.enabled:
                         to_revert.append(st)
                     continue
@@ -208,6 +209,13 @@ class Registry:
                 st.gated, st.versions = True, shown
                 if reason and st.state is State.WAITING:
                     st.state, st.reason = State.SKIPPED_VERSION, reason
+
+    def _call_failed(self, st: RecordStatus, exc: BaseException) -> None:
+        """A wrapper raised at call time: the guard made it a pass-through; report it."""
+        with self._lock:
+            st.state = State.FAILED
+            st.reason = f"wrapper raised at call time: {type(exc).__name__}: {exc}"
+        self._emit(st)
 
     def _emit(self, st: RecordStatus) -> None:
         """Tell the debug stream and the event sink about a record's new state."""
@@ -244,7 +252,9 @@ class Registry:
             st.state, st.reason = State.APPLYING, "applying"
             strict = self.strict
         try:
-            applied, missing = _apply(st.record, module)
+            applied, missing = _apply(
+                st.record, module, lambda exc: self._call_failed(st, exc), lambda: self.strict
+            )
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             with self._lock:
@@ -273,7 +283,7 @@ class Registry:
                 if st.state is State.WAITING:
                     st.state, st.reason = State.REVERTED, "reverted before import"
         for st in statuses:
-            if st.state is State.APPLIED:
+            if st.applied is not None:
                 self._revert_one(st, State.REVERTED, "reverted")
 
     def _revert_one(self, st: RecordStatus, new_state: State, reason: str) -> None:
@@ -367,8 +377,16 @@ def _dispatch_key(record: PatchRecord) -> str:
     return fn()
 
 
-def _apply(record: PatchRecord, module: Any) -> tuple[_Applied | None, str | None]:
-    """Apply one record to its imported module. Raises on unexpected errors."""
+def _apply(
+    record: PatchRecord,
+    module: Any,
+    on_call_failure: Callable[[BaseException], None],
+    strict: Callable[[], bool],
+) -> tuple[_Applied | None, str | None]:
+    """Apply one record to its imported module. Raises on unexpected errors.
+
+    ``on_call_failure`` / ``strict`` feed the call-time guard (see :mod:`ucm_patch.guard`).
+    """
     import wrapt  # here, not at import: see importhooks' docstring
 
     resolved = _resolve(record, module)
@@ -379,7 +397,14 @@ def _apply(record: PatchRecord, module: Any) -> tuple[_Applied | None, str | Non
         # Another registry instance (or a reloaded ucm_patch) already wrapped it.
         return None, f"{record.target} already carries this patch; not wrapped twice"
     owned = not isinstance(parent, type) or attribute in vars(parent)
-    wrapper = wrapt.FunctionWrapper(original, record.make_wrapper())
+    patch_wrapper = record.make_wrapper()
+    if guard.guardable(original):
+        cell = guard.CallCell()
+        target = guard.make_shim(original, cell)
+        patch_wrapper = guard.make_guard(patch_wrapper, cell, on_call_failure, strict)
+    else:
+        target = original
+    wrapper = wrapt.FunctionWrapper(target, patch_wrapper)
     setattr(wrapper, MARKER, record.id)
     library = None
     if record.kind is Kind.OP_KERNEL:

@@ -1,0 +1,95 @@
+"""Call-time isolation: a wrapper that raises never breaks the host's call."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+
+import pytest
+
+from ucm_patch.errors import PatchFailed
+from ucm_patch.records import PatchRecord
+from ucm_patch.registry import Registry
+
+SIDE_EFFECTS: list[int] = []
+
+
+def _module() -> types.ModuleType:
+    mod = types.ModuleType("ucm_guard_target")
+
+    def core(x: int) -> int:
+        SIDE_EFFECTS.append(x)
+        if x < 0:
+            raise ValueError("host error")
+        return x * 2
+
+    mod.core = core
+    return mod
+
+
+@pytest.fixture
+def target() -> Iterator[types.ModuleType]:
+    mod = _module()
+    sys.modules[mod.__name__] = mod
+    SIDE_EFFECTS.clear()
+    yield mod
+    del sys.modules[mod.__name__]
+
+
+def _registry(where: str) -> Registry:
+    def make_wrapper():
+        def wrapper(wrapped, instance, args, kwargs):
+            if where == "before":
+                raise KeyError("pre-call bug")
+            out = wrapped(*args, **kwargs)
+            if where == "after":
+                raise AttributeError("post-call bug")
+            return out + 1
+
+        return wrapper
+
+    rec = PatchRecord(
+        "guarded",
+        "t",
+        "ucm_guard_target:core",
+        {"wrapt": ">=1"},
+        make_wrapper,
+        why="test record",
+        upstream="test only here",
+        removal="never at all",
+    )
+    return Registry([rec])
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_wrapper_bug_is_reported_and_the_call_completes(target, where: str) -> None:
+    reg = _registry(where)
+    reg.activate()
+    assert target.core(3) == 6  # the original's result, computed exactly once
+    assert SIDE_EFFECTS == [3]
+    row = reg.report()[0]
+    assert row["state"] == "failed"
+    assert row["reason"].startswith("wrapper raised at call time: ")
+    assert ("KeyError" if where == "before" else "AttributeError") in row["reason"]
+    assert target.core(4) == 8 and SIDE_EFFECTS == [3, 4]  # pass-through from now on
+    reg.revert()
+    assert reg.report()[0]["state"] == "reverted"
+    assert not hasattr(target.core, "__wrapped__")
+
+
+def test_host_errors_propagate_untouched(target) -> None:
+    reg = _registry("none")
+    reg.activate()
+    assert target.core(1) == 3  # wrapper active
+    with pytest.raises(ValueError, match="host error"):
+        target.core(-1)
+    assert reg.report()[0]["state"] == "applied"  # not the patch's fault
+
+
+def test_strict_mode_raises_at_call_time(target) -> None:
+    reg = _registry("before")
+    reg.activate(strict=True)
+    with pytest.raises(PatchFailed, match="pre-call bug"):
+        target.core(3)
+    assert reg.report()[0]["state"] == "failed"
