@@ -162,7 +162,7 @@ class Registry:
 
         Raises ConfigError for bad toggles before changing anything.
         """
-        versions = VersionCache()
+        versions = self._versions  # one metadata read per distribution and process
         resolver = ToggleResolver(self.names, code=patches, env=env, versions=versions)
         decisions = [
             (st, resolver.decide(st.record.name, st.record.default)) for st in self._status.values()
@@ -170,7 +170,6 @@ class Registry:
         to_hook: list[RecordStatus] = []
         to_revert: list[RecordStatus] = []
         with self._lock:
-            self._versions = versions
             self.strict = strict
             self.debug = debug
             self.active = True
