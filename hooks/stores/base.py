@@ -4,19 +4,28 @@ Keys are content-hash strings (block hash + layout coordinates such as storage r
 rank); values are raw bytes of one block of one storage row. A store is shared by every
 thread of the dump scheduler's pool, so implementations must be thread-safe.
 
-Contract (all stores, verified by the shared store test-suite):
+Contract (all stores, verified by the shared store test-suite, tests/store_contract.py):
 
+* Keys must be non-empty ``str``; anything else raises ValueError naming the key.
 * ``put_many`` stores each value under its key unless the key already exists (content
-  hashes are immutable, so the first value wins). It returns one flag per item: True
-  stored or already present, False skipped because the store is full. Any other failure
-  raises :class:`StoreError`; nothing is half-visible after a failed put (a reader sees
-  the whole value or no value).
+  hashes are immutable, so the first value wins, also within one batch). It returns one
+  flag per item: True stored or already present, False skipped because the store is full.
+  Any other failure raises :class:`StoreError`; nothing is half-visible after a failed put
+  (a reader sees the whole value or no value).
 * ``get_many`` returns one ``bytes`` per key, or None when the key is missing *or its
   data failed the integrity check* (corrupt data is never served; it is counted in
-  ``stats["corrupt"]`` and removed).
-* ``exists_many`` answers presence without reading values.
-* ``stats`` is a dict of monotonically increasing counters (puts, gets, hits, misses,
-  corrupt, errors, evictions, bytes_written, bytes_read).
+  ``stats["corrupt"]`` and removed). Other failures (I/O error, server unreachable) raise
+  :class:`StoreError`.
+* ``exists_many`` answers presence without reading values (so without an integrity check);
+  failures raise :class:`StoreError`.
+* ``close`` is idempotent; afterwards every operation raises :class:`StoreError`. Stored
+  data is not dropped by closing.
+* ``stats`` is a dict of monotonically increasing counters: ``puts`` items offered to
+  ``put_many``; ``skipped_full`` items answered False; ``bytes_written`` payload bytes
+  sent/written; ``gets`` keys asked of ``get_many`` = ``hits`` + ``misses`` (a corrupt
+  value is a miss and also counted in ``corrupt``); ``bytes_read`` payload bytes
+  returned; ``errors`` calls that raised :class:`StoreError`; ``evictions`` values
+  dropped for capacity (stores that evict themselves). Stores may add counters.
 """
 
 from __future__ import annotations

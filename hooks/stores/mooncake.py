@@ -1,0 +1,470 @@
+"""Mooncake Store client (distributed, in-memory) behind :class:`KVStore`.
+
+Why Mooncake: it is the KV-cache engine that real deployments share between vLLM instances;
+its zero-copy batch calls are its fastest path over TCP (reference figures: ≈0.7 GiB/s
+put, ≈1.7 GiB/s get on loopback; this store's own figures are in docs/BENCHMARKS.md).
+
+Design (details and measurements: docs/BENCHMARKS.md, /work/shared/reference/cpu-vllm.md §13):
+
+* ``mooncake`` is imported only when this store is built, so nothing else needs the wheel.
+* Setup uses P2PHANDSHAKE metadata and TCP by default. ``MC_STORE_CLIENT_SETUP_RETRIES``
+  is set low (config ``mooncake_setup_retries``, default 1) so an absent master fails
+  setup in ≈4 s with :class:`StoreError` instead of blocking ≈90 s.
+* Data moves through a small pool of *registered staging buffers*: ``put_many`` copies
+  frame header + payload into one (a single memcpy) and calls ``batch_put_from``;
+  ``get_many`` calls ``batch_get_into`` and copies each payload out into ``bytes``. These
+  calls return one status per key, unlike ``put_batch`` (one status per batch) and
+  ``get_batch`` / ``batch_get_buffer``, which answer "missing" when the client's local
+  buffer is merely exhausted. Values larger than a staging buffer get a one-off buffer.
+* Status codes: 0 stored; -705 already exists -> True (content-hash keys are immutable,
+  Mooncake keeps the first value); -200 NO_AVAILABLE_HANDLE (store full) -> False;
+  -704 not found / -703 replica not ready -> miss; -600 on a get means "slot too small"
+  and is retried with the exact size; any other negative code -> :class:`StoreError`.
+* A failed transfer can still write into the registered buffer after the call returns
+  (a timed-out TCP read completes later). After a code outside the known before-transfer
+  rejections (e.g. -800 TRANSFER_FAIL when a storage node died) the buffer is quarantined:
+  kept alive and unused for ``quarantine_s`` (default 60 s, beyond Mooncake's TCP progress
+  and status timeouts that drop such connections), then reused. Memory stays bounded; while
+  every buffer is quarantined, operations fail fast with :class:`StoreError`.
+* Integrity: every value carries the frame of :mod:`ucm_patch.hooks.stores.framing`; a
+  value that fails it is counted corrupt, removed with ``force=True`` and not served.
+* A dead master makes calls fail with -900 RPC_FAIL after ≈4 s (Mooncake's own RPC
+  timeout), so no operation hangs; ``health_check()`` cannot detect it and is not used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from ucm_patch.hooks.stores.base import KVStore, StoreError
+from ucm_patch.hooks.stores.framing import (
+    HEADER_SIZE,
+    CorruptValue,
+    as_bytes_view,
+    key_bytes,
+    make_header,
+    verify,
+)
+
+log = logging.getLogger(__name__)
+
+OK = 0
+NO_AVAILABLE_HANDLE = -200
+INVALID_PARAMS = -600
+REPLICA_IS_NOT_READY = -703
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+LEASE_EXPIRED = -707
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+
+CODE_NAMES = {
+    NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE",
+    INVALID_PARAMS: "INVALID_PARAMS",
+    REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",
+    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
+    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    LEASE_EXPIRED: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    RPC_FAIL: "RPC_FAIL",
+    RPC_TIMEOUT: "RPC_TIMEOUT",
+}
+
+# Rejections that happen before any transfer is submitted (or after it completed): the
+# buffer may be reused. Anything else may leave I/O in flight into the buffer.
+_SAFE_COMMON = frozenset(
+    {NO_AVAILABLE_HANDLE, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS}
+    | {RPC_FAIL, RPC_TIMEOUT}
+)
+_SAFE_PUT = _SAFE_COMMON | {INVALID_PARAMS}
+_SAFE_GET = _SAFE_COMMON | {INVALID_PARAMS, LEASE_EXPIRED}  # -600: buffer too small
+_MISS = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, LEASE_EXPIRED})
+_CLOSE_WAIT_S = 30.0
+
+
+def code_name(rc: int) -> str:
+    """``-900 (RPC_FAIL)`` style text for an error message."""
+    return f"{rc} ({CODE_NAMES.get(rc, 'unknown')})"
+
+
+class _Buffer:
+    """A registered bytearray. ``unsafe``: a transfer into it may still be running."""
+
+    def __init__(self, size: int, pooled: bool) -> None:
+        self.data = bytearray(size)
+        self.view = memoryview(self.data)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.data))
+        self.size = size
+        self.pooled = pooled
+        self.unsafe = False
+        self.release_at = 0.0
+
+
+class MooncakeStore(KVStore):
+    """Mooncake Store client with checksummed values and registered staging buffers."""
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        *,
+        master: str,
+        protocol: str = "tcp",
+        metadata_server: str = "P2PHANDSHAKE",
+        local_hostname: str = "127.0.0.1",
+        rdma_devices: str = "",
+        global_segment_bytes: int = 1 << 30,
+        local_buffer_bytes: int = 16 << 20,
+        staging_bytes: int = 64 << 20,
+        staging_buffers: int = 2,
+        quarantine_s: float = 60.0,
+        setup_retries: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.stats["quarantined"] = 0
+        self.master = master
+        self.quarantine_s = quarantine_s
+        self._stats_lock = threading.Lock()
+        self._buffers = threading.Condition()  # guards _free, _quarantine, _busy, _closed
+        self._free: list[_Buffer] = []
+        self._quarantine: list[_Buffer] = []  # kept alive until release_at
+        self._busy = 0  # pooled buffers in use
+        self._pooled = staging_buffers
+        self._closed = False
+        self._slot = 256 << 10  # read slot size guess; grows to the largest value seen
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise StoreError(
+                "mooncake store: cannot import mooncake.store (pip install "
+                "mooncake-transfer-engine-non-cuda; apt-get install libibverbs1 libnuma1 "
+                f"libcurl4): {exc}"
+            ) from exc
+        if setup_retries is not None:
+            os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(setup_retries)
+        else:
+            os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+        self._client: Any = MooncakeDistributedStore()
+        started = time.monotonic()
+        try:
+            rc = self._client.setup(
+                local_hostname,
+                metadata_server,
+                global_segment_bytes,
+                local_buffer_bytes,
+                protocol,
+                rdma_devices,
+                master,
+            )
+        except RuntimeError as exc:
+            raise StoreError(f"mooncake store: setup raised for master {master!r}: {exc}") from exc
+        if rc != 0:
+            raise StoreError(
+                f"mooncake store: setup failed with rc={rc} after "
+                f"{time.monotonic() - started:.1f}s (master={master!r}, protocol={protocol!r}, "
+                f"metadata_server={metadata_server!r}); is mooncake_master running and "
+                "reachable? Mooncake's log lines on stderr say more"
+            )
+        try:
+            self._free = [self._new_buffer(staging_bytes, True) for _ in range(staging_buffers)]
+        except StoreError:
+            self._client.close()
+            raise
+
+    # -- buffers --------------------------------------------------------------------------
+
+    def _new_buffer(self, size: int, pooled: bool) -> _Buffer:
+        buf = _Buffer(size, pooled)
+        rc = self._client.register_buffer(buf.addr, size)
+        if rc != 0:
+            raise StoreError(f"mooncake store: register_buffer({size} bytes) failed: rc={rc}")
+        return buf
+
+    def _recycle_locked(self) -> None:
+        """Give quarantined buffers whose time is up back to the pool (or unregister them)."""
+        now = time.monotonic()
+        for buf in [b for b in self._quarantine if b.release_at <= now]:
+            self._quarantine.remove(buf)
+            buf.unsafe = False
+            if buf.pooled:
+                self._free.append(buf)
+            elif self._client.unregister_buffer(buf.addr) != 0:
+                self._quarantine_locked(buf)  # still registered: keep it alive a while longer
+
+    def _quarantine_locked(self, buf: _Buffer) -> None:
+        buf.release_at = time.monotonic() + self.quarantine_s
+        self._quarantine.append(buf)
+        with self._stats_lock:
+            self.stats["quarantined"] += 1
+
+    def _acquire(self) -> _Buffer:
+        """A free staging buffer; waits while others are busy, fails fast if all are held back."""
+        with self._buffers:
+            while True:
+                if self._closed:
+                    raise StoreError(f"mooncake store (master {self.master!r}) is closed")
+                self._recycle_locked()
+                if self._free:
+                    self._busy += 1
+                    return self._free.pop()
+                if self._busy == 0:
+                    wait = min(b.release_at for b in self._quarantine) - time.monotonic()
+                    raise StoreError(
+                        f"mooncake store: all {self._pooled} staging buffers are quarantined "
+                        "after transfers that failed unconfirmed (storage node down?); the "
+                        f"next is released in {max(0.0, wait):.0f}s"
+                    )
+                self._buffers.wait(timeout=1.0)
+
+    def _release(self, buf: _Buffer) -> None:
+        """Return a buffer; one that may still be written to is quarantined, not reused."""
+        unregister = not buf.pooled and not buf.unsafe
+        if unregister and self._client.unregister_buffer(buf.addr) != 0:
+            buf.unsafe = True  # cannot prove it is idle
+        with self._buffers:
+            if buf.pooled:
+                self._busy -= 1
+            if buf.unsafe:
+                self._quarantine_locked(buf)
+            elif buf.pooled:
+                self._free.append(buf)
+            self._buffers.notify_all()
+
+    @contextmanager
+    def _staging(self) -> Iterator[_Buffer]:
+        buf = self._acquire()
+        try:
+            yield buf
+        finally:
+            self._release(buf)
+
+    @contextmanager
+    def _oversize(self, size: int) -> Iterator[_Buffer]:
+        buf = self._new_buffer(size, False)
+        try:
+            yield buf
+        finally:
+            self._release(buf)
+
+    def _call(self, buf: _Buffer, safe: frozenset[int], fn: Any, *args: Any) -> list[int]:
+        """Run a batch call on ``buf``; mark the buffer unsafe on unconfirmed results."""
+        try:
+            rcs = list(fn(*args))
+        except RuntimeError as exc:
+            buf.unsafe = True
+            raise StoreError(f"mooncake store: {fn.__name__} raised: {exc}") from exc
+        if len(rcs) != len(args[0]) or any(rc < 0 and rc not in safe for rc in rcs):
+            buf.unsafe = True
+        return rcs
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise StoreError(f"mooncake store (master {self.master!r}) is closed")
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                self.stats[name] += delta
+
+    # -- puts -----------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]]) -> list[bool]:
+        """Store framed values via ``batch_put_from``; False for keys skipped as full."""
+        self._check_usable()
+        slot_of: list[int] = []  # input index -> unique index (first value per key wins)
+        first: dict[str, int] = {}
+        unique: list[tuple[str, bytes, memoryview]] = []
+        for key, value in items:
+            kb = key_bytes(key)
+            if key not in first:
+                first[key] = len(unique)
+                unique.append((key, kb, as_bytes_view(value)))
+            slot_of.append(first[key])
+        codes = [OK] * len(unique)
+        try:
+            self._put_unique(unique, codes)
+        except StoreError:
+            self._count(errors=1)
+            raise
+        failed = [(unique[i][0], rc) for i, rc in enumerate(codes) if rc < 0 and not _put_ok(rc)]
+        stored = [rc == OK or rc == OBJECT_ALREADY_EXISTS for rc in codes]
+        self._count(
+            puts=len(items),
+            skipped_full=sum(rc == NO_AVAILABLE_HANDLE for rc in codes),
+            bytes_written=sum(len(u[2]) for u, rc in zip(unique, codes, strict=True) if rc == OK),
+            errors=1 if failed else 0,
+        )
+        if failed:
+            key, rc = failed[0]
+            raise StoreError(
+                f"mooncake store: put of {len(failed)} of {len(unique)} keys failed, first "
+                f"{key!r}: {code_name(rc)}"
+            )
+        return [stored[i] for i in slot_of]
+
+    def _put_unique(self, unique: list[tuple[str, bytes, memoryview]], codes: list[int]) -> None:
+        with self._staging() as buf:
+            i = 0
+            while i < len(unique):
+                size = HEADER_SIZE + len(unique[i][2])
+                self._slot = max(self._slot, size)
+                if size > buf.size:
+                    with self._oversize(size) as big:
+                        codes[i] = self._put_chunk(big, unique[i : i + 1])[0]
+                    i += 1
+                    continue
+                j, used = i, 0
+                while j < len(unique) and used + HEADER_SIZE + len(unique[j][2]) <= buf.size:
+                    used += HEADER_SIZE + len(unique[j][2])
+                    j += 1
+                codes[i:j] = self._put_chunk(buf, unique[i:j])
+                i = j
+
+    def _put_chunk(self, buf: _Buffer, chunk: list[tuple[str, bytes, memoryview]]) -> list[int]:
+        ptrs, sizes, off = [], [], 0
+        for _key, kb, payload in chunk:
+            end = off + HEADER_SIZE + len(payload)
+            buf.view[off + HEADER_SIZE : end] = payload
+            buf.view[off : off + HEADER_SIZE] = make_header(kb, buf.view[off + HEADER_SIZE : end])
+            ptrs.append(buf.addr + off)
+            sizes.append(end - off)
+            off = end
+        keys = [c[0] for c in chunk]
+        return self._call(buf, _SAFE_PUT, self._client.batch_put_from, keys, ptrs, sizes)
+
+    # -- gets -----------------------------------------------------------------------------
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values via ``batch_get_into``; None when missing or failing the frame check."""
+        self._check_usable()
+        kbs = [key_bytes(k) for k in keys]
+        out: list[bytes | None] = [None] * len(keys)
+        try:
+            self._get_into(keys, kbs, out)
+        except StoreError:
+            self._count(errors=1)
+            raise
+        hits = sum(v is not None for v in out)
+        self._count(
+            gets=len(keys),
+            hits=hits,
+            misses=len(keys) - hits,
+            bytes_read=sum(len(v) for v in out if v is not None),
+        )
+        return out
+
+    def _get_into(self, keys: Sequence[str], kbs: list[bytes], out: list[bytes | None]) -> None:
+        exact: list[int] = []  # indexes whose value did not fit the guessed slot
+        with self._staging() as buf:
+            slot = min(self._slot, buf.size)
+            per = max(1, buf.size // slot)
+            for start in range(0, len(keys), per):
+                idx = list(range(start, min(start + per, len(keys))))
+                rcs = self._call(
+                    buf,
+                    _SAFE_GET,
+                    self._client.batch_get_into,
+                    [keys[i] for i in idx],
+                    [buf.addr + n * slot for n in range(len(idx))],
+                    [slot] * len(idx),
+                )
+                for n, (i, rc) in enumerate(zip(idx, rcs, strict=True)):
+                    if rc >= 0:
+                        out[i] = self._unframe(keys[i], kbs[i], buf.view[n * slot : n * slot + rc])
+                    elif rc == INVALID_PARAMS:
+                        exact.append(i)
+                    elif rc not in _MISS:
+                        raise StoreError(f"mooncake store: get of {keys[i]!r}: {code_name(rc)}")
+            for i in exact:
+                out[i] = self._get_exact(buf, keys[i], kbs[i])
+
+    def _get_exact(self, buf: _Buffer, key: str, kb: bytes) -> bytes | None:
+        """Read one value whose size exceeded the slot guess, using its exact size."""
+        try:
+            size = self._client.get_size(key)
+        except RuntimeError as exc:
+            raise StoreError(f"mooncake store: get_size of {key!r} raised: {exc}") from exc
+        if size in _MISS:
+            return None
+        if size < 0:
+            raise StoreError(f"mooncake store: get_size of {key!r}: {code_name(size)}")
+        self._slot = max(self._slot, size)
+        if size > buf.size:
+            with self._oversize(size) as big:
+                return self._read_one(big, key, kb, size)
+        return self._read_one(buf, key, kb, size)
+
+    def _read_one(self, buf: _Buffer, key: str, kb: bytes, size: int) -> bytes | None:
+        (rc,) = self._call(buf, _SAFE_GET, self._client.batch_get_into, [key], [buf.addr], [size])
+        if rc in _MISS:
+            return None
+        if rc < 0:
+            raise StoreError(f"mooncake store: get of {key!r} ({size} bytes): {code_name(rc)}")
+        return self._unframe(key, kb, buf.view[:rc])
+
+    def _unframe(self, key: str, kb: bytes, framed: memoryview) -> bytes | None:
+        """Checked payload copy, or None after removing a corrupt value."""
+        try:
+            verify(kb, framed[:HEADER_SIZE], framed[HEADER_SIZE:])
+        except CorruptValue as exc:
+            rc = self._client.remove(key, True)
+            log.warning("mooncake store: dropped corrupt value %r (%s); remove rc=%s", key, exc, rc)
+            self._count(corrupt=1)
+            return None
+        return bytes(framed[HEADER_SIZE:])
+
+    # -- presence / lifecycle -------------------------------------------------------------
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Presence via ``batch_is_exist`` (1 present, 0 absent, negative -> StoreError)."""
+        self._check_usable()
+        for key in keys:
+            key_bytes(key)
+        if not keys:
+            return []
+        try:
+            rcs = list(self._client.batch_is_exist(list(keys)))
+        except RuntimeError as exc:
+            self._count(errors=1)
+            raise StoreError(f"mooncake store: batch_is_exist raised: {exc}") from exc
+        bad = [(k, rc) for k, rc in zip(keys, rcs, strict=False) if rc not in (0, 1)]
+        if bad or len(rcs) != len(keys):
+            self._count(errors=1)
+            what = f"{bad[0][0]!r}: rc={bad[0][1]}" if bad else f"{len(rcs)} answers"
+            raise StoreError(f"mooncake store: batch_is_exist failed for {what}")
+        return [rc == 1 for rc in rcs]
+
+    def close(self) -> None:
+        """Wait (bounded) for operations in flight, then close the client. Idempotent.
+
+        Calls are bounded by Mooncake's own timeouts (≈4 s for a dead master); if one still
+        runs after ``_CLOSE_WAIT_S`` the client is left open, because closing it under a
+        running native call could crash the process.
+        """
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        with self._buffers:
+            if self._closed:
+                return
+            self._closed = True
+            self._buffers.notify_all()
+            while self._busy and time.monotonic() < deadline:
+                self._buffers.wait(timeout=deadline - time.monotonic())
+            if self._busy:
+                log.warning("mooncake store: close timed out; client left open (call in flight)")
+                return
+        self._client.close()
+
+
+def _put_ok(rc: int) -> bool:
+    return rc in (OK, OBJECT_ALREADY_EXISTS, NO_AVAILABLE_HANDLE)
+
+
+__all__ = ["CODE_NAMES", "MooncakeStore", "code_name"]
