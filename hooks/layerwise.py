@@ -67,6 +67,12 @@ def bind() -> bool:
     return True
 
 
+def idle() -> bool:
+    """True when no KV connector is active: wrappers are skipped (``skip_when``)."""
+    state = _kv_state
+    return state is None or state._KV_CONNECTOR_AGENT is None
+
+
 def active_connector() -> Any | None:
     """vLLM's active KV connector in this process, or None (one attribute load)."""
     state = _kv_state

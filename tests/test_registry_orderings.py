@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-TARGET = '''
+TARGET = """
 def helper(x):
     return x * 10
 
@@ -22,7 +22,7 @@ class Layer:
 
 class Child(Layer):
     pass
-'''
+"""
 
 HARNESS = '''
 import json, sys
@@ -89,7 +89,7 @@ def _run(run_py, tmp_path: Path, body: str) -> dict:
     (tmp_path / "harness.py").write_text(HARNESS)
     proc = run_py("from harness import *\n" + body + "result()\n")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 @pytest.mark.parametrize("ordering", sorted(ORDERINGS))

@@ -46,14 +46,18 @@ def test_precedence_code_over_env_over_file_over_default(tmp_path: Path) -> None
     assert file_only.decide("gdn_layerwise", True).source.startswith("config ")
     env_and_file = resolver({"UCM_PATCH_CONFIG": cfg, "UCM_PATCH_GDN_LAYERWISE": "on"})
     assert env_and_file.decide("gdn_layerwise", True) == (True, "env UCM_PATCH_GDN_LAYERWISE")
-    all_three = resolver({"UCM_PATCH_CONFIG": cfg, "UCM_PATCH_GDN_LAYERWISE": "on"},
-                         code={"gdn_layerwise": False})
+    all_three = resolver(
+        {"UCM_PATCH_CONFIG": cfg, "UCM_PATCH_GDN_LAYERWISE": "on"}, code={"gdn_layerwise": False}
+    )
     assert all_three.decide("gdn_layerwise", True) == (False, "code")
 
 
-def test_version_scoped_rules_first_match_wins(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = write(tmp_path, """
+def test_version_scoped_rules_first_match_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = write(
+        tmp_path,
+        """
 [[patches.gdn_layerwise]]
 enabled = false
 when = { vllm = "<0.19" }
@@ -65,7 +69,8 @@ when = { vllm = ">=0.30" }
 [patches.kv_ready_event]
 enabled = true
 when = { vllm-ascend = ">=0.13" }
-""")
+""",
+    )
     monkeypatch.setenv("UCM_PATCH_VLLM_VERSION", "0.18.1")
     r = resolver({"UCM_PATCH_CONFIG": cfg, "UCM_PATCH_VLLM_VERSION": "0.18.1"})
     assert r.decide("gdn_layerwise", True).enabled is False
@@ -84,10 +89,16 @@ def test_json_config(tmp_path: Path) -> None:
 
 BAD_ENV = [
     ({"UCM_PATCH_GDN_LAYERWISE": "maybe"}, r"UCM_PATCH_GDN_LAYERWISE='maybe'.*1/0, true/false"),
-    ({"UCM_PATCH_GDN_LAYERWSE": "0"}, r"UCM_PATCH_GDN_LAYERWSE is not a ucm_patch variable.*"
-                                      r"UCM_PATCH_GDN_LAYERWISE"),
-    ({"UCM_PATCH_CONFIG": "/nonexistent/x.toml"}, r"UCM_PATCH_CONFIG='/nonexistent/x.toml' "
-                                                  r"cannot be read"),
+    (
+        {"UCM_PATCH_GDN_LAYERWSE": "0"},
+        r"UCM_PATCH_GDN_LAYERWSE is not a ucm_patch variable.*"
+        r"UCM_PATCH_GDN_LAYERWISE",
+    ),
+    (
+        {"UCM_PATCH_CONFIG": "/nonexistent/x.toml"},
+        r"UCM_PATCH_CONFIG='/nonexistent/x.toml' "
+        r"cannot be read",
+    ),
 ]
 
 
@@ -98,15 +109,22 @@ def test_bad_environment_is_a_clear_error(env: dict[str, str], message: str) -> 
 
 
 BAD_FILES = [
-    ("[patches]\ngdn_layerwize = false\n", r"patches.gdn_layerwize: unknown patch name "
-                                           r"'gdn_layerwize'; valid: gdn_layerwise, kv_ready"),
+    (
+        "[patches]\ngdn_layerwize = false\n",
+        r"patches.gdn_layerwize: unknown patch name "
+        r"'gdn_layerwize'; valid: gdn_layerwise, kv_ready",
+    ),
     ("[patches]\ngdn_layerwise = 'off'\n", r"patches.gdn_layerwise = 'off': expected true/false"),
     ("[patches.gdn_layerwise]\nenabled = 1\n", r"patches.gdn_layerwise.enabled = 1: expected"),
     ("[patches.gdn_layerwise]\nwhen = {}\n", r"missing 'enabled'"),
-    ("[patches.gdn_layerwise]\nenabled = true\nwhen = { vllm = 'new' }\n",
-     r"when.vllm = 'new' is not a PEP 440 range"),
-    ("[patches.gdn_layerwise]\nenabled = true\nwhen = { sglang = '>1' }\n",
-     r"unknown distribution 'sglang'; accepted: torch, vllm, vllm-ascend"),
+    (
+        "[patches.gdn_layerwise]\nenabled = true\nwhen = { vllm = 'new' }\n",
+        r"when.vllm = 'new' is not a PEP 440 range",
+    ),
+    (
+        "[patches.gdn_layerwise]\nenabled = true\nwhen = { sglang = '>1' }\n",
+        r"unknown distribution 'sglang'; accepted: torch, vllm, vllm-ascend",
+    ),
     ("[patches.gdn_layerwise]\nenabled = true\nextra = 1\n", r"unknown key\(s\) \['extra'\]"),
     ("[toggles]\nx = 1\n", r"unknown top-level key\(s\) \['toggles'\]"),
     ("[patches\n", r"is not valid TOML"),
@@ -120,10 +138,13 @@ def test_bad_config_file_is_a_clear_error(tmp_path: Path, text: str, message: st
         resolver({"UCM_PATCH_CONFIG": cfg})
 
 
-@pytest.mark.parametrize(("code", "message"), [
-    ({"gdn": False}, r"unknown patch name 'gdn'; valid: gdn_layerwise, kv_ready_event"),
-    ({"gdn_layerwise": "no"}, r"expected True or False"),
-])
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        ({"gdn": False}, r"unknown patch name 'gdn'; valid: gdn_layerwise, kv_ready_event"),
+        ({"gdn_layerwise": "no"}, r"expected True or False"),
+    ],
+)
 def test_bad_code_toggles(code: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         resolver(code=code)

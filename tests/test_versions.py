@@ -60,11 +60,13 @@ def test_ascend_mismatch_gates_on_the_paired_vllm() -> None:
 
 
 def test_ascend_match_and_explicit_override_are_kept() -> None:
-    same = align_ascend(_iv("vllm-ascend", "0.23.0.post1", "vllm-ascend"),
-                        _iv("vllm", "0.23.0", "vllm"))
+    same = align_ascend(
+        _iv("vllm-ascend", "0.23.0.post1", "vllm-ascend"), _iv("vllm", "0.23.0", "vllm")
+    )
     assert str(same.effective) == "0.23.0" and same.note == ""
-    forced = align_ascend(_iv("vllm-ascend", "0.18.0", "UCM_PATCH_VLLM_ASCEND_VERSION"),
-                          _iv("vllm", "0.20.2", "vllm"))
+    forced = align_ascend(
+        _iv("vllm-ascend", "0.18.0", "UCM_PATCH_VLLM_ASCEND_VERSION"), _iv("vllm", "0.20.2", "vllm")
+    )
     assert str(forced.effective) == "0.18.0"
 
 

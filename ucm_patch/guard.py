@@ -48,12 +48,21 @@ class CallCell:
         self.broken = False
 
 
+def _never() -> bool:
+    return False
+
+
 def guardable(original: Any) -> bool:
     return isinstance(original, types.FunctionType)
 
 
 def make_shim(original: Callable[..., Any], cell: CallCell) -> Callable[..., Any]:
-    """A plain function (so it binds like ``original``) that records the call's progress."""
+    """A plain function (so it binds like ``original``) that records the call's progress.
+
+    It carries the original's signature with its annotations *evaluated*: vLLM infers a
+    custom op's schema from the kernel's signature, and ``functools.wraps`` alone leaves
+    string annotations that would be evaluated against this module's globals.
+    """
 
     @functools.wraps(original)
     def shim(*args: Any, **kwargs: Any) -> Any:
@@ -63,22 +72,37 @@ def make_shim(original: Callable[..., Any], cell: CallCell) -> Callable[..., Any
         cell.state = RETURNED
         return result
 
+    import inspect  # apply time only
+
+    try:
+        shim.__signature__ = inspect.signature(original, eval_str=True)  # type: ignore[attr-defined]
+    except (NameError, TypeError, SyntaxError, AttributeError):
+        shim.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
     return shim
 
 
 def make_guard(
     wrapper: Wrapper,
     cell: CallCell,
+    original: Callable[..., Any],
     on_failure: Callable[[BaseException], None],
     strict: Callable[[], bool],
+    skip_when: Callable[[], bool] | None = None,
 ) -> Wrapper:
-    """The wrapt wrapper actually installed: ``wrapper`` plus failure isolation."""
+    """The wrapt wrapper actually installed: ``wrapper`` plus failure isolation.
+
+    While ``skip_when()`` is true, or once the record is broken, a call goes straight to
+    ``original``, past the wrapper and the shim.
+    """
+    idle = skip_when or _never
 
     def guard(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if cell.broken:
-            return wrapped(*args, **kwargs)
+        if cell.broken or idle():
+            if instance is None:
+                return original(*args, **kwargs)
+            return original(instance, *args, **kwargs)
         cell.state = IDLE
         try:
             out = wrapper(wrapped, instance, args, kwargs)

@@ -57,6 +57,10 @@ class PatchRecord:
         optional: the target may legitimately be absent inside the version range
             (e.g. ``_forward_core_rocm`` on non-ROCm builds): reported as
             target-missing instead of failed.
+        skip_when: a cheap zero-argument predicate; while it returns True a call goes
+            straight to the original, past the wrapper and the call-time guard (e.g.
+            "no KV connector is active"). Keeps the idle cost of a hot-path patch to
+            wrapt's own dispatch plus one call.
 
     A plain class rather than a dataclass: ``dataclasses`` imports ``inspect`` (~12 ms),
     and records are built on ``import ucm_patch`` (30 ms budget). Specifiers are parsed
@@ -75,6 +79,7 @@ class PatchRecord:
         "optional",
         "removal",
         "requires",
+        "skip_when",
         "target",
         "upstream",
         "why",
@@ -95,6 +100,7 @@ class PatchRecord:
         op: str | None = None,
         dispatch_key: str | None = None,
         optional: bool = False,
+        skip_when: Callable[[], bool] | None = None,
     ) -> None:
         self.name = name
         self.era = era
@@ -109,6 +115,7 @@ class PatchRecord:
         self.op = op
         self.dispatch_key = dispatch_key
         self.optional = optional
+        self.skip_when = skip_when
         self._specifiers: dict[str, SpecifierSet] | None = None
         where = f"patch record {name!r} (era {era!r})"
         if not name.isidentifier() or name.lower() != name:

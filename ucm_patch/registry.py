@@ -62,7 +62,15 @@ class State(enum.StrEnum):
 class _Applied:
     """What a revert needs: where the wrapper went and what it replaced."""
 
-    __slots__ = ("attribute", "library", "original", "owned_attribute", "parent", "wrapper")
+    __slots__ = (
+        "attribute",
+        "cell",
+        "library",
+        "original",
+        "owned_attribute",
+        "parent",
+        "wrapper",
+    )
 
     def __init__(
         self,
@@ -72,6 +80,7 @@ class _Applied:
         wrapper: Any,
         owned_attribute: bool,
         library: Any = None,
+        cell: Any = None,
     ) -> None:
         self.parent = parent
         self.attribute = attribute
@@ -81,6 +90,7 @@ class _Applied:
         # revert deletes our attribute instead of assigning the original back).
         self.owned_attribute = owned_attribute
         self.library = library  # torch.library.Library holding an op-kernel override
+        self.cell = cell  # guard.CallCell; set broken on revert for stray references
 
 
 class RecordStatus:
@@ -305,6 +315,10 @@ class Registry:
                 delattr(applied.parent, applied.attribute)
             if applied.library is not None:
                 applied.library._destroy()  # drops our kernel; the original is current again
+            if applied.cell is not None:
+                # References we cannot take back (a kernel vLLM registered from the wrapped
+                # module attribute, a `from x import f` copy) now pass straight through.
+                applied.cell.broken = True
             st.applied = None
             st.state, st.reason = new_state, reason
 
@@ -400,16 +414,18 @@ def _apply(
     if guard.guardable(original):
         cell = guard.CallCell()
         target = guard.make_shim(original, cell)
-        patch_wrapper = guard.make_guard(patch_wrapper, cell, on_call_failure, strict)
+        patch_wrapper = guard.make_guard(
+            patch_wrapper, cell, original, on_call_failure, strict, record.skip_when
+        )
     else:
-        target = original
+        cell, target = None, original
     wrapper = wrapt.FunctionWrapper(target, patch_wrapper)
     setattr(wrapper, MARKER, record.id)
     library = None
     if record.kind is Kind.OP_KERNEL:
         library = _override_kernel(record, wrapper)
     setattr(parent, attribute, wrapper)
-    return _Applied(parent, attribute, original, wrapper, owned, library), None
+    return _Applied(parent, attribute, original, wrapper, owned, library, cell), None
 
 
 def _override_kernel(record: PatchRecord, kernel: Any) -> Any:
@@ -425,7 +441,10 @@ def _override_kernel(record: PatchRecord, kernel: Any) -> Any:
     namespace, _, op_name = record.op.partition("::")
     dispatch_key = _dispatch_key(record)
     if not hasattr(getattr(torch.ops, namespace), op_name):
-        raise LookupError(f"torch.ops.{namespace}.{op_name} is not registered")
+        # Registered lazily (vLLM 0.21+ CPU GDN: register_cpu_gdn_attention_ops() runs in
+        # the layer's __init__ and reads the module global): the wrapper set on the module
+        # attribute is what vLLM will register, so there is nothing to override.
+        return None
     library = torch.library.Library(namespace, "IMPL")
     try:
         with warnings.catch_warnings():

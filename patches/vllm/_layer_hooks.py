@@ -1,0 +1,112 @@
+"""Wrapper factories shared by the vLLM patch sets: bracket a layer's eager core with the
+layerwise hooks, the way vLLM's ``maybe_transfer_kv_layer`` brackets attention.
+
+Every factory runs at apply time: it calls :func:`ucm_patch.hooks.layerwise.bind` and
+binds the version-dependent accessors of :mod:`._vllm_compat`, so the returned wrapper
+does no import, no feature detection and no allocation per call. With no KV connector
+active a wrapper costs two attribute loads and a compare (vLLM's KV-transfer state module
+is bound once, :func:`_connector_probe`) before calling the core; the layer name is not
+even looked up.
+
+Order per call (the contract the hooks document)::
+
+    md = begin(name)            # None: gated out (no connector, no metadata, nested)
+    try: core(...)
+    finally: end(name)          # only when begin let the layer through
+    save(name, kv_cache, md)    # only when the core returned normally
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ucm_patch.hooks import layerwise
+from ucm_patch.patches.vllm import _vllm_compat
+from ucm_patch.records import Wrapper
+
+
+def _connector_probe() -> Any:
+    """An object whose ``_KV_CONNECTOR_AGENT`` is vLLM's active connector or None.
+
+    vLLM's ``kv_transfer_state`` module as bound by ``layerwise.bind()``; reading its
+    attribute inline saves a Python call per layer per step on the no-connector path.
+    When vLLM is not importable there is no connector: a stand-in that always says None.
+    """
+    state = layerwise._kv_state if layerwise.bind() else None
+    return state if state is not None else _NoConnector
+
+
+class _NoConnector:
+    _KV_CONNECTOR_AGENT = None
+
+
+def make_method_wrapper(name_attr: str = "prefix") -> Wrapper:
+    """Wrapper for a method of the layer that owns the cache (``instance``).
+
+    ``name_attr``: the instance attribute holding the layer name vLLM keys metadata and
+    ``no_compile_layers`` with (``prefix`` for GDN layers, ``layer_name`` for MLA layers).
+    The cache is the instance's (``kv_cache[virtual_engine]`` up to vLLM 0.18).
+    """
+    probe = _connector_probe()
+    get_forward_context = _vllm_compat.forward_context_getter()
+    per_stage = _vllm_compat.has_virtual_engine()
+    begin, end, save = layerwise.begin, layerwise.end, layerwise.save
+
+    def layer_method_wrapper(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if probe._KV_CONNECTOR_AGENT is None:
+            return wrapped(*args, **kwargs)
+        layer_name = getattr(instance, name_attr)
+        md = begin(layer_name)
+        if md is None:
+            return wrapped(*args, **kwargs)
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            end(layer_name)
+        kv_cache = instance.kv_cache
+        if per_stage:  # vLLM <= 0.18: one cache per pipeline stage
+            kv_cache = kv_cache[get_forward_context().virtual_engine]
+        save(layer_name, kv_cache, md)
+        return result
+
+    return layer_method_wrapper
+
+
+def make_op_wrapper(layer_name_index: int) -> Wrapper:
+    """Wrapper for a custom-op kernel that gets the layer *name* at ``layer_name_index``.
+
+    The layer is looked up in ``forward_context.no_compile_layers`` as vLLM's kernels do;
+    the name is normalised (``LayerName`` -> ``str``) with ``_resolve_layer_name`` where
+    that exists (vLLM 0.20+). With no connector the name is not even resolved.
+    """
+    probe = _connector_probe()
+    get_forward_context = _vllm_compat.forward_context_getter()
+    per_stage = _vllm_compat.has_virtual_engine()
+    resolve_name = _vllm_compat.layer_name_resolver()
+    begin, end, save = layerwise.begin, layerwise.end, layerwise.save
+
+    def layer_op_wrapper(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if probe._KV_CONNECTOR_AGENT is None:
+            return wrapped(*args, **kwargs)
+        raw = args[layer_name_index] if len(args) > layer_name_index else kwargs["layer_name"]
+        layer_name = resolve_name(raw)
+        md = begin(layer_name)
+        if md is None:
+            return wrapped(*args, **kwargs)
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            end(layer_name)
+        forward_context = get_forward_context()
+        kv_cache = forward_context.no_compile_layers[layer_name].kv_cache
+        if per_stage:  # vLLM <= 0.18: one cache per pipeline stage
+            kv_cache = kv_cache[forward_context.virtual_engine]
+        save(layer_name, kv_cache, md)
+        return result
+
+    return layer_op_wrapper

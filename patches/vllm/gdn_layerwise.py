@@ -1,0 +1,186 @@
+"""``gdn_layerwise``: layerwise wait/save for GDN (Qwen3-Next / Qwen3.5) layers.
+
+Why: upstream vLLM never calls the KV connector from a GDN / linear-attention layer
+(no file under ``layers/mamba/**`` references it, in any version), so a layerwise
+connector sees ``model.layers.N.self_attn.attn`` but never ``model.layers.N.linear_attn``
+and cannot save or load Qwen3-Next's conv/SSM state. Verified on vLLM 0.32 CPU: only
+the full-attention layer reaches ``save_kv_layer``.
+
+What: wrap the GDN core that runs *eagerly inside vLLM's custom op* (never a method
+Dynamo traces: torch.compile drops wrapt wrappers on traced code silently), and bracket
+it exactly like vLLM's ``maybe_transfer_kv_layer`` decorator brackets attention:
+``wait_for_layer_load(prefix)`` before, ``save_kv_layer(prefix, [conv, ssm], md)`` after,
+skipped with no KV-transfer group, no metadata (profile / dummy runs) or no connector
+metadata. Nested entry methods (``_forward_core_rocm`` -> ``_forward_core``) fire once:
+``layerwise.begin`` refuses a layer that is already inside its core.
+
+Eras (targets.md section 2.2 and 8):
+
+==============  ========================================================================
+vLLM            wrapped
+==============  ========================================================================
+0.10.2 - 0.11   ``qwen3_next.Qwen3NextGatedDeltaNet._forward`` (op ``gdn_attention``)
+0.12 - 0.18     ``qwen3_next.Qwen3NextGatedDeltaNet._forward_core`` (op
+                ``gdn_attention_core``)
+0.19 - 0.21     ``mamba.gdn_linear_attn.GatedDeltaNetAttention._forward_core``
+                (+ ``_forward_core_rocm`` from 0.21)
+0.22 - 0.33     ``mamba.gdn.qwen_gdn_linear_attn.QwenGatedDeltaNetAttention._forward_core``,
+                ``_forward_core_rocm``, ``_forward_core_fused_norm_packed`` (0.28+)
+0.21 - 0.33     CPU: kernel of op ``vllm::cpu_gdn_attention_core`` (``forward_cpu`` calls
+                it and never reaches ``_forward_core``)
+==============  ========================================================================
+
+The patch carries no dump policy: :mod:`ucm_patch.hooks.layerwise` forwards to whatever
+KV connector vLLM has active.
+"""
+
+from __future__ import annotations
+
+from ucm_patch.hooks import layerwise
+from ucm_patch.patches.vllm import _layer_hooks
+from ucm_patch.records import Kind, PatchRecord, PatchSet, Wrapper
+
+NAME = "gdn_layerwise"
+
+WHY = (
+    "vLLM never calls the KV connector from GDN / linear-attention layers, so a layerwise "
+    "connector cannot load or save Qwen3-Next / Qwen3.5 conv+SSM state. The wrapper adds "
+    "wait_for_layer_load before and save_kv_layer after the layer's eager GDN core, with "
+    "the gates of vLLM's maybe_transfer_kv_layer."
+)
+REMOVAL = (
+    "Delete when vLLM's GDN custom ops call the KV connector themselves (no upstream PR "
+    "as of vLLM 0.33; vllm-ascend does it for its own GDN in #11917 / #12711)."
+)
+
+
+def make_method_wrapper() -> Wrapper:
+    """Wrapper for a GDN layer method: the layer is ``instance``, its name ``prefix``."""
+    return _layer_hooks.make_method_wrapper("prefix")
+
+
+def make_cpu_op_wrapper() -> Wrapper:
+    """Wrapper for the kernel of ``vllm::cpu_gdn_attention_core`` (layer name: arg 4)."""
+    return _layer_hooks.make_op_wrapper(CPU_OP_LAYER_NAME_INDEX)
+
+
+_CORE = ("self", "mixed_qkv", "b", "a", "core_attn_out")
+# Leading parameters of each era's target, checked against every vLLM wheel by
+# scripts/verify_targets.py and used by the per-era unit tests.
+EXPECTED_PARAMS: dict[str, tuple[str, ...]] = {
+    "vllm-0.10": ("self", "hidden_states", "output"),
+    "vllm-0.12": _CORE,
+    "vllm-0.19": _CORE,
+    "vllm-0.21-rocm": ("self", "qkvz", "ba", "z_out", "core_attn_out"),
+    "vllm-0.22": _CORE,
+    "vllm-0.22-rocm": ("self", "qkvz", "ba", "z_out", "core_attn_out"),
+    "vllm-0.28-fused": ("self", "mixed_qkvz", "ba", "core_attn_out"),
+    "vllm-0.21-cpu": ("mixed_qkv", "b", "a", "core_attn_out", "layer_name"),
+}
+# cpu_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name): the dispatcher
+# passes the name positionally.
+CPU_OP_LAYER_NAME_INDEX = EXPECTED_PARAMS["vllm-0.21-cpu"].index("layer_name")
+
+_QWEN3_NEXT = "vllm.model_executor.models.qwen3_next"
+_GDN_019 = "vllm.model_executor.layers.mamba.gdn_linear_attn"
+_GDN_022 = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+_CPU_OPS = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+
+
+def _method(
+    era: str, target: str, requires: str, upstream: str, optional: bool = False
+) -> PatchRecord:
+    return PatchRecord(
+        name=NAME,
+        era=era,
+        target=target,
+        requires={"vllm": requires},
+        skip_when=layerwise.idle,
+        make_wrapper=make_method_wrapper,
+        why=WHY,
+        upstream=upstream,
+        removal=REMOVAL,
+        optional=optional,
+    )
+
+
+RECORDS: tuple[PatchRecord, ...] = (
+    _method(
+        "vllm-0.10",
+        f"{_QWEN3_NEXT}:Qwen3NextGatedDeltaNet._forward",
+        ">=0.10.2,<0.12",
+        "vLLM 0.10.2-0.11.x: op vllm::gdn_attention calls self._forward(hidden_states=, "
+        "output=) eagerly (Qwen3-Next support, vLLM PR #24526).",
+    ),
+    _method(
+        "vllm-0.12",
+        f"{_QWEN3_NEXT}:Qwen3NextGatedDeltaNet._forward_core",
+        ">=0.12,<0.19",
+        "vLLM 0.12-0.18.x: op vllm::gdn_attention_core calls self._forward_core(mixed_qkv=, "
+        "b=, a=, core_attn_out=); KV cache indexed by forward_context.virtual_engine.",
+    ),
+    _method(
+        "vllm-0.19",
+        f"{_GDN_019}:GatedDeltaNetAttention._forward_core",
+        ">=0.19,<0.22",
+        "vLLM 0.19-0.21: GDN moved to layers/mamba/gdn_linear_attn.py (PluggableLayer); "
+        "virtual_engine removed, kv_cache used directly.",
+    ),
+    _method(
+        "vllm-0.21-rocm",
+        f"{_GDN_019}:GatedDeltaNetAttention._forward_core_rocm",
+        ">=0.21,<0.22",
+        "vLLM 0.21: op gdn_attention_core(fast_kernel=True) calls _forward_core_rocm (AITER "
+        "path), which may return without reaching _forward_core.",
+        optional=True,
+    ),
+    _method(
+        "vllm-0.22",
+        f"{_GDN_022}:QwenGatedDeltaNetAttention._forward_core",
+        ">=0.22,<0.34",
+        "vLLM 0.22-0.33: op vllm::qwen_gdn_attention_core (layers/mamba/gdn/"
+        "qwen_gdn_linear_attn.py); layer_name is LayerName-encoded on the op path.",
+    ),
+    _method(
+        "vllm-0.22-rocm",
+        f"{_GDN_022}:QwenGatedDeltaNetAttention._forward_core_rocm",
+        ">=0.22,<0.34",
+        "vLLM 0.22-0.33: qwen_gdn_attention_core(use_aiter=True) calls _forward_core_rocm, "
+        "which handles decode-only batches without _forward_core.",
+        optional=True,
+    ),
+    _method(
+        "vllm-0.28-fused",
+        f"{_GDN_022}:QwenGatedDeltaNetAttention._forward_core_fused_norm_packed",
+        ">=0.28,<0.34",
+        "vLLM 0.28-0.33: op vllm::qwen_gdn_attention_core_fused_norm_packed (fused GDN "
+        "spec-decode path) calls _forward_core_fused_norm_packed, not _forward_core.",
+        optional=True,
+    ),
+    PatchRecord(
+        name=NAME,
+        era="vllm-0.21-cpu",
+        target=f"{_CPU_OPS}:cpu_gdn_attention_core",
+        requires={"vllm": ">=0.21,<0.34"},
+        skip_when=layerwise.idle,
+        make_wrapper=make_cpu_op_wrapper,
+        why=WHY + " On CPU, forward_cpu calls torch.ops.vllm.cpu_gdn_attention_core and never "
+        "reaches _forward_core, so the op's kernel is overridden.",
+        upstream=(
+            "vLLM 0.21-0.33 CPU: cpu_gdn_attention_core registered lazily by "
+            "register_cpu_gdn_attention_ops() from the GDN layer's __init__ "
+            "(reads the module global, so the wrapped attribute is what gets registered)."
+        ),
+        removal=REMOVAL,
+        kind=Kind.OP_KERNEL,
+        op="vllm::cpu_gdn_attention_core",
+        dispatch_key="CPU",
+    ),
+)
+
+PATCH_SET = PatchSet(
+    name=NAME,
+    library="vllm",
+    description="Layerwise wait_for_layer_load / save_kv_layer for GDN linear-attention layers.",
+    records=RECORDS,
+)

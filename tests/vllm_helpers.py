@@ -1,0 +1,161 @@
+"""Run real vLLM (CPU) in a subprocess with the recording connector, and read what it saw.
+
+Why a subprocess: a vLLM engine cannot be torn down cleanly inside pytest, and each run
+must start from a fresh import state (patches applied or not, by environment only).
+
+``run_vllm(...)`` starts ``python tests/vllm_helpers.py`` (the ``_main`` below) with
+``tests/`` on ``PYTHONPATH`` (so vLLM can import ``recording_connector``), generates a few
+tokens for two prompts in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and returns
+the recorded connector calls plus the process's ucm_patch report and hook counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+PYTHON = sys.executable
+RUN_TIMEOUT_S = 600
+
+GDN_LAYER = "model.layers.0.linear_attn"  # tiny Qwen3-Next: layer 0 is GDN
+ATTN_LAYER_NEXT = "model.layers.1.self_attn.attn"  # ... layer 1 full attention
+
+
+@dataclass
+class VllmRun:
+    """What one generation run recorded."""
+
+    calls: list[dict[str, Any]]
+    report: list[dict[str, Any]] = field(default_factory=list)
+    hook_calls: dict[str, int] = field(default_factory=dict)
+    stderr_tail: str = ""
+
+    def per_layer(self, call: str) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for c in self.calls:
+            if c["call"] == call:
+                counts[c["layer"]] = counts.get(c["layer"], 0) + 1
+        return counts
+
+    def steps(self) -> list[list[dict[str, Any]]]:
+        """Per-layer calls grouped by forward step; ``wait_for_save`` closes a step.
+
+        (``start_load_kv`` does not open one: from vLLM 0.32 it runs *after* the forward
+        when no load is synchronous.) Steps with no per-layer call are dropped; calls after
+        the last ``wait_for_save`` are an error.
+        """
+        steps: list[list[dict[str, Any]]] = []
+        current: list[dict[str, Any]] = []
+        for c in self.calls:
+            if c["call"] == "wait_for_save":
+                steps.append(current)
+                current = []
+            elif c["call"] in ("wait_for_layer_load", "save_kv_layer"):
+                current.append(c)
+        if current:
+            raise AssertionError(f"per-layer calls after the last wait_for_save: {current}")
+        return [s for s in steps if s]
+
+    def state_of(self, record_id: str) -> str:
+        for r in self.report:
+            if r["id"] == record_id:
+                return r["state"]
+        raise KeyError(f"record {record_id!r} not in the report")
+
+
+def run_vllm(
+    model: Path,
+    tmp: Path,
+    env: dict[str, str] | None = None,
+    hybrid: bool = False,
+    max_tokens: int = 3,
+) -> VllmRun:
+    """Generate with real vLLM and the recording connector; raise with stderr on failure."""
+    record = tmp / "calls.jsonl"
+    result = tmp / "result.json"
+    for p in (record, result):
+        if p.exists():
+            p.unlink()
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_PATCH")}
+    child_env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "PYTHONPATH": os.pathsep.join(
+                [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+            "UCM_TEST_RECORD": str(record),
+        }
+    )
+    child_env.update(env or {})
+    cmd = [
+        PYTHON,
+        str(TESTS / "vllm_helpers.py"),
+        str(model),
+        str(result),
+        "hybrid" if hybrid else "plain",
+        str(max_tokens),
+    ]
+    proc = subprocess.run(
+        cmd, env=child_env, cwd=tmp, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    if proc.returncode != 0 or not result.exists():
+        raise AssertionError(
+            f"vLLM run failed (rc={proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}"
+        )
+    calls = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
+    data = json.loads(result.read_text())
+    return VllmRun(
+        calls=calls,
+        report=data["report"],
+        hook_calls=data["hook_calls"],
+        stderr_tail=proc.stderr[-3000:],
+    )
+
+
+def _main(argv: list[str]) -> int:
+    """Child process: ``vllm_helpers.py MODEL RESULT_JSON hybrid|plain MAX_TOKENS``."""
+    model, result, mode, max_tokens = argv
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    import ucm_patch  # activates from the environment, as a user's import would
+    from ucm_patch.hooks import layerwise
+
+    kwargs: dict[str, Any] = {}
+    if mode == "hybrid":
+        kwargs["disable_hybrid_kv_cache_manager"] = False
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="RecordingConnector",
+            kv_connector_module_path="recording_connector",
+            kv_role="kv_both",
+        ),
+        **kwargs,
+    )
+    llm.generate(
+        ["hello world this is", "the quick brown fox jumps"],
+        SamplingParams(max_tokens=int(max_tokens), temperature=0.0),
+        use_tqdm=False,
+    )
+    Path(result).write_text(
+        json.dumps({"report": ucm_patch.report(), "hook_calls": dict(layerwise.calls)})
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
