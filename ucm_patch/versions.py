@@ -110,7 +110,7 @@ def _version_of(dist: Any) -> str:
     text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
     for line in text.splitlines():
         if line.startswith("Version:"):
-            return line[len("Version:"):].strip()
+            return line[len("Version:") :].strip()
         if not line:  # end of the headers
             break
     return str(dist.version)
