@@ -40,6 +40,20 @@ _get_forward_context: Callable[[], Any] | None = None
 # wait/save a second time, so "exactly once per layer per step" holds.
 _inside: set[str] = set()
 
+
+def _metadata_bound(conn: Any) -> bool:
+    """vLLM <= 0.11 fallback: ``has_connector_metadata()`` only exists from 0.12 (UCM
+    back-ported it); before that the bound metadata lives in ``_connector_metadata``."""
+    return getattr(conn, "_connector_metadata", None) is not None
+
+
+def _call_has_metadata(conn: Any) -> bool:
+    return conn.has_connector_metadata()
+
+
+# Chosen by bind() for the installed vLLM.
+_has_metadata: Callable[[Any], bool] = _call_has_metadata
+
 # layer name -> the last device event recorded right after that layer's KV-cache write
 # (kv_ready_event patch set). Borrowed: the hooks never destroy these events; the dump
 # scheduler reads them as the preferred event source.
@@ -54,14 +68,17 @@ def bind() -> bool:
 
     Returns False when vLLM is not importable; hooks then stay inert (no connector).
     """
-    global _kv_state, _get_forward_context
+    global _kv_state, _get_forward_context, _has_metadata
     if _kv_state is not None:
         return True
     try:
         from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
         from vllm.forward_context import get_forward_context
     except ImportError:
         return False
+    if not hasattr(KVConnectorBase_V1, "has_connector_metadata"):
+        _has_metadata = _metadata_bound
     _get_forward_context = get_forward_context
     _kv_state = kv_transfer_state
     return True
@@ -117,7 +134,7 @@ def begin(layer_name: str) -> Any | None:
         calls["skipped_nested"] += 1
         return None
     md = layer_metadata(layer_name)
-    if md is None or not conn.has_connector_metadata():
+    if md is None or not _has_metadata(conn):
         return None
     _inside.add(layer_name)
     calls["wait"] += 1

@@ -53,7 +53,9 @@ def _never() -> bool:
 
 
 def guardable(original: Any) -> bool:
-    return isinstance(original, types.FunctionType)
+    """Only a real function: wrapt proxies pass ``isinstance`` checks for functions, and a
+    copied, already-wrapped method called through the shim would lose its instance."""
+    return type(original) is types.FunctionType
 
 
 def make_shim(original: Callable[..., Any], cell: CallCell) -> Callable[..., Any]:

@@ -31,9 +31,25 @@ def register() -> None:
 
 
 def _register_connector() -> None:
-    """Make ``kv_connector="UCMPatchConnector"`` resolvable by vLLM's factory."""
+    """Make ``kv_connector="UCMPatchConnector"`` resolvable by vLLM's factory.
+
+    A vLLM whose factory moved must still start (the patches work for any connector):
+    the failure is logged with the reason instead of raised, unless strict.
+    """
+    import logging
+
+    from ucm_patch.toggles import env_flag
+
     try:
         from ucm_patch import connector
-    except ImportError:
-        return  # the connector module ships with the connector issue
-    connector.register_with_vllm()
+
+        connector.register_with_vllm()
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        if env_flag("UCM_PATCH_STRICT"):
+            raise
+        logging.getLogger("ucm_patch").warning(
+            "ucm_patch: could not register UCMPatchConnector with vLLM (%s: %s); use "
+            "kv_connector_module_path='ucm_patch.connector' instead",
+            type(exc).__name__,
+            exc,
+        )

@@ -57,6 +57,9 @@ class PatchRecord:
         optional: the target may legitimately be absent inside the version range
             (e.g. ``_forward_core_rocm`` on non-ROCm builds): reported as
             target-missing instead of failed.
+        supersedes: ids of records this one replaces when both are in range and this one
+            is enabled (vLLM-Ascend's GDN eras supersede vLLM's: vLLM-Ascend overwrites
+            the method vLLM's record would wrap). The superseded records are skipped.
         skip_when: a cheap zero-argument predicate; while it returns True a call goes
             straight to the original, past the wrapper and the call-time guard (e.g.
             "no KV connector is active"). Keeps the idle cost of a hot-path patch to
@@ -80,6 +83,7 @@ class PatchRecord:
         "removal",
         "requires",
         "skip_when",
+        "supersedes",
         "target",
         "upstream",
         "why",
@@ -101,6 +105,7 @@ class PatchRecord:
         dispatch_key: str | None = None,
         optional: bool = False,
         skip_when: Callable[[], bool] | None = None,
+        supersedes: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.era = era
@@ -116,6 +121,7 @@ class PatchRecord:
         self.dispatch_key = dispatch_key
         self.optional = optional
         self.skip_when = skip_when
+        self.supersedes = tuple(supersedes)
         self._specifiers: dict[str, SpecifierSet] | None = None
         where = f"patch record {name!r} (era {era!r})"
         if not name.isidentifier() or name.lower() != name:

@@ -218,6 +218,22 @@ class Registry:
                 st.gated, st.versions = True, shown
                 if reason and st.state is State.WAITING:
                     st.state, st.reason = State.SKIPPED_VERSION, reason
+        if todo:
+            self._apply_supersedes()
+
+    def _apply_supersedes(self) -> None:
+        """Skip records superseded by an enabled, in-range record (before they apply)."""
+        with self._lock:
+            for st in self._status.values():
+                if st.state is not State.WAITING or not st.gated:
+                    continue
+                for rid in st.record.supersedes:
+                    # A registry may hold a subset of the records (tests); the full set's
+                    # ids are checked by tests/test_docs.py.
+                    other = self._status.get(rid)
+                    if other is not None and other.state is State.WAITING:
+                        other.state = State.SKIPPED_VERSION
+                        other.reason = f"superseded by {st.record.id} ({_shown(st.versions)})"
 
     def _call_failed(self, st: RecordStatus, exc: BaseException) -> None:
         """A wrapper raised at call time: the guard made it a pass-through; report it."""
@@ -340,6 +356,10 @@ def _gate(record: PatchRecord, versions: VersionCache) -> tuple[dict[str, str], 
                 f"{dist} {found} ({found.source}) is outside the required range {spec}"
             )
     return shown, reason
+
+
+def _shown(versions: Mapping[str, str]) -> str:
+    return ", ".join(f"{d} {v}" for d, v in versions.items())
 
 
 def _static_get(parent: Any, attribute: str) -> Any:

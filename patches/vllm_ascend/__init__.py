@@ -1,7 +1,33 @@
-"""Patch sets for vllm_ascend (one module per feature; each lists its records per era)."""
+"""Patch sets for vllm_ascend (one module per feature; each lists its records per era).
+
+Every record here gates on ``vllm-ascend`` only: the core (``ucm_patch.versions.align_ascend``)
+already replaces a stale vLLM-Ascend version by the paired vLLM release on a major.minor
+mismatch ("vLLM wins"), and ``ucm-patch status`` shows the mismatch. Each module also
+exports ``EXPECT`` (record id -> the source facts it relies on), read by
+scripts/verify_ascend_targets.py and by the tests.
+"""
 
 from __future__ import annotations
 
+from ucm_patch.patches.vllm_ascend import (
+    gdn_layerwise,
+    hook_bindings,
+    reshape_cache_event,
+    sfa_wait,
+)
+from ucm_patch.patches.vllm_ascend._checks import Check
 from ucm_patch.records import PatchSet
 
-PATCH_SETS: tuple[PatchSet, ...] = ()
+PATCH_SETS: tuple[PatchSet, ...] = (
+    gdn_layerwise.PATCH_SET,
+    reshape_cache_event.PATCH_SET,
+    hook_bindings.PATCH_SET,
+    sfa_wait.PATCH_SET,
+)
+
+EXPECT: dict[str, tuple[Check, ...]] = {
+    **gdn_layerwise.EXPECT,
+    **reshape_cache_event.EXPECT,
+    **hook_bindings.EXPECT,
+    **sfa_wait.EXPECT,
+}

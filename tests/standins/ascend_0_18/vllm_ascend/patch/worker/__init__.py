@@ -1,0 +1,1 @@
+"""Stand-in package (upstream imports the worker patches in NPUWorker.__init__)."""

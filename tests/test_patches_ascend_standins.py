@@ -1,0 +1,125 @@
+"""The vLLM-Ascend stand-ins (tests/standins) cannot drift from the releases they imitate.
+
+Each stand-in era folder carries a ``.dist-info`` naming the release it imitates. Every fact
+the patch records rely on is extracted from the stand-in with the same code that reads the
+real release (scripts/verify_ascend_targets.py) and compared with the facts stored for that
+release in scripts/data/ascend_signatures.json (re-verified against the PyPI download by
+tests/test_patches_ascend_sources.py): method signatures, the GDN KV-cache expression,
+where upstream creates ``reshape_cache_event``, SFA's mlapo branch, the set of by-name hook
+bindings; and every record in range for that release passes its source checks on the
+stand-in. A stand-in edited into something the real release is not fails here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO
+
+_spec = importlib.util.spec_from_file_location(
+    "verify_ascend_targets", REPO / "scripts" / "verify_ascend_targets.py"
+)
+verify = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+sys.modules["verify_ascend_targets"] = verify
+_spec.loader.exec_module(verify)  # type: ignore[union-attr]
+
+STANDINS = REPO / "tests" / "standins"
+ERAS = sorted(p.name for p in STANDINS.glob("ascend_*") if p.is_dir())
+
+
+def standin_version(root: Path) -> str:
+    (info,) = root.glob("vllm_ascend-*.dist-info")
+    for line in (info / "METADATA").read_text().splitlines():
+        if line.startswith("Version: "):
+            return line.removeprefix("Version: ").strip()
+    raise AssertionError(f"{info}/METADATA has no Version")
+
+
+def drift(root: Path) -> list[str]:
+    """Every difference between a stand-in tree and the real release it names."""
+    version = standin_version(root)
+    data = verify.load_data()["versions"]
+    if version not in data:
+        return [f"{root.name}: no verified facts for vllm-ascend {version}"]
+    real: dict[str, Any] = data[version]["facts"]
+    tree = verify.Tree(root)
+    problems: list[str] = []
+    for code, params in real["signatures"].items():
+        fn = tree.find(code)
+        if fn is not None and verify.params(fn) != params:
+            problems.append(f"signature {code}: {verify.params(fn)} != real {params}")
+    for code, expr in real["locals"].items():
+        fn = tree.find(code)
+        if fn is not None and verify.local_expr(fn, "self_kv_cache") != expr:
+            problems.append(f"kv-cache expression in {code} != real {expr!r}")
+    for code, cond in real["native_event"].items():
+        if tree.find(code) is not None and verify.native_event(tree, code) != cond:
+            problems.append(
+                f"native event in {code}: {verify.native_event(tree, code)!r} != {cond!r}"
+            )
+    for code, branch in real["mlapo"].items():
+        fn = tree.find(code)
+        if fn is not None and verify.mlapo(fn) != branch:
+            problems.append(f"mlapo branch of {code}: {verify.mlapo(fn)} != {branch}")
+    found, _ = verify.hook_bindings_everywhere(tree)
+    bindings = sorted(f"{m}:{n}" for m, n in found)
+    if bindings != real["bindings"]:
+        problems.append(f"hook bindings {bindings} != real {real['bindings']}")
+    for record in verify.RECORDS:
+        if verify.in_range(record, version):
+            for check in verify.EXPECT[record.id]:
+                why = verify.run_check(tree, check)
+                if why is not None:
+                    problems.append(f"{record.id}: {why}")
+    return problems
+
+
+def test_there_are_stand_ins_for_each_layout() -> None:
+    assert [standin_version(STANDINS / e) for e in ERAS] == ["0.11.0", "0.13.0", "0.18.0", "0.23.0"]
+
+
+@pytest.mark.parametrize("era", ERAS)
+def test_stand_in_matches_the_real_release(era: str) -> None:
+    assert drift(STANDINS / era) == []
+
+
+@pytest.mark.parametrize("era", ERAS)
+def test_stand_in_covers_every_record_in_range(era: str) -> None:
+    """Each record in range has its target module in the stand-in (so the eras test runs it)."""
+    root = STANDINS / era
+    version = standin_version(root)
+    tree = verify.Tree(root)
+    missing = [
+        r.id
+        for r in verify.RECORDS
+        if verify.in_range(r, version) and tree.module(r.module) is None
+    ]
+    assert missing == []
+
+
+def test_a_drifted_stand_in_is_caught(tmp_path: Path) -> None:
+    root = tmp_path / "ascend_0_23"
+    shutil.copytree(STANDINS / "ascend_0_23", root)
+    attn = root / "vllm_ascend" / "attention" / "attention_v1.py"
+    attn.write_text(
+        attn.read_text().replace(
+            "        output: torch.Tensor,\n", "        out: torch.Tensor,\n", 1
+        )
+    )
+    gdn = root / "vllm_ascend" / "ops" / "gdn.py"
+    gdn.write_text(
+        gdn.read_text().replace(
+            "self_kv_cache = self.kv_cache\n", "self_kv_cache = self.kv_cache[0]\n"
+        )
+    )
+    problems = drift(root)
+    code = "vllm_ascend.attention.attention_v1:AscendAttentionBackendImpl.reshape_and_cache"
+    assert any(p.startswith(f"signature {code}") for p in problems), problems
+    assert any("kv-cache expression in vllm_ascend.ops.gdn" in p for p in problems), problems
+    assert any(p.startswith("reshape_cache_event@ascend-0.16: ") for p in problems), problems

@@ -1,0 +1,324 @@
+"""``UCMPatchConnector``: the vLLM KV connector of ucm_patch (a thin facade).
+
+vLLM builds the connector twice: once in the scheduler (``role=SCHEDULER``) and once per
+worker (``role=WORKER``). The facade validates ``kv_connector_extra_config``
+(:mod:`ucm_patch.connector_config`), derives the shared layout and keys
+(:mod:`ucm_patch.connector_layout`), opens the store and hands every call to the side that
+owns it: :mod:`ucm_patch.connector_scheduler` or :mod:`ucm_patch.connector_worker`. What
+each side does, and why, is documented there and in docs/CONNECTOR.md.
+
+Use it by name once the ucm_patch plugin ran (``VLLM_PLUGINS`` unset or listing
+``ucm_patch``)::
+
+    --kv-transfer-config '{"kv_connector": "UCMPatchConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"store": "local",
+                                                         "local_path": "/data/kv"}}'
+
+or without the plugin via ``"kv_connector_module_path": "ucm_patch.connector"``. It also
+works as a child of vLLM's ``MultiConnector``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ucm_patch import connector_stats
+from ucm_patch.connector_config import ConnectorConfig, parse_connector_config
+from ucm_patch.connector_layout import KVLayout
+from ucm_patch.connector_meta import UCMConnectorMetadata
+from ucm_patch.hooks.stores import make_store
+from ucm_patch.hooks.stores.base import KVStore
+
+try:  # vLLM >= 0.12
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - vLLM <= 0.11: no hybrid KV-cache manager support
+    SupportsHMA = object  # type: ignore[assignment,misc]
+
+try:  # vLLM >= 0.32
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM only has get_finished
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+logger = logging.getLogger(__name__)
+
+NAME = "UCMPatchConnector"
+_BASE_TAKES_KV_CACHE_CONFIG = (
+    "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters
+)
+
+# One store per store config per process: in single-process vLLM both connector roles
+# live in one process and a Mooncake client must not be set up twice.
+_stores: dict[str, KVStore] = {}
+_stores_lock = threading.Lock()
+_register_lock = threading.Lock()
+
+
+def shared_store(config: ConnectorConfig) -> KVStore:
+    """This process's store for ``config`` (created on first use, closed at exit)."""
+    key = json.dumps([config.store_kind, config.store], sort_keys=True, default=str)
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = make_store(config.store_config)
+            if len(_stores) == 1:
+                atexit.register(_close_stores)
+        return store
+
+
+def _close_stores() -> None:
+    with _stores_lock:
+        stores = list(_stores.values())
+        _stores.clear()
+    for store in stores:
+        store.close()
+
+
+class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
+    """KV connector on the dump scheduler and the local / Mooncake stores."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        if _BASE_TAKES_KV_CACHE_CONFIG:
+            super().__init__(vllm_config, role, kv_cache_config)
+        else:  # pragma: no cover - vLLM <= 0.11
+            super().__init__(vllm_config, role)
+        ktc = vllm_config.kv_transfer_config
+        self.config = parse_connector_config(ktc.kv_connector_extra_config)
+        self.layout = KVLayout.from_vllm(vllm_config, kv_cache_config, self.config.namespace)
+        kv_role = ktc.kv_role or "kv_both"
+        can_dump = kv_role in ("kv_both", "kv_producer")
+        can_load = kv_role in ("kv_both", "kv_consumer")
+        self.store = shared_store(self.config)
+        self._sched_side: Any = None
+        self._worker_side: Any = None
+        if role == KVConnectorRole.SCHEDULER:
+            from ucm_patch.connector_scheduler import SchedulerSide
+
+            self._sched_side = SchedulerSide(
+                self.layout,
+                self.config,
+                self.store,
+                can_load=can_load,
+                can_dump=can_dump,
+                expected_reports=int(getattr(vllm_config.parallel_config, "world_size", 1)),
+            )
+        else:
+            from ucm_patch.connector_worker import WorkerSide
+
+            self._worker_side = WorkerSide(
+                self.layout,
+                self.config,
+                self.store,
+                kv_cache_config,
+                _tp_rank(self.layout.tp_size),
+                can_load=can_load,
+                can_dump=can_dump,
+            )
+        logger.info(
+            "UCMPatchConnector %s: %s, key fingerprint %s, %d row(s), group(s) %s",
+            role.name.lower(),
+            self.config.describe(),
+            self.layout.fingerprint,
+            len(self.layout.rows),
+            [f"{g.index}:{g.kind}/{g.block_size}" for g in self.layout.groups],
+        )
+
+    # -- capabilities ---------------------------------------------------------------------
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layerwise hooks run between graph pieces: full CUDA graphs would skip them."""
+        return True
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped dump is a later miss, never lost output."""
+        return False
+
+    def _side(self, side: Any, what: str) -> Any:
+        if side is None:
+            raise RuntimeError(f"UCMPatchConnector.{what} called on the {self.role.name} role")
+        return side
+
+    # ==================================================================================
+    # Worker side
+    # ==================================================================================
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._side(self._worker_side, "register_kv_caches").register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, UCMConnectorMetadata):
+            raise TypeError(
+                f"UCMPatchConnector: expected UCMConnectorMetadata, got "
+                f"{type(connector_metadata).__name__}"
+            )
+        self._side(self._worker_side, "bind_connector_metadata").bind(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # vLLM 0.18 passes the preempted ids, 0.19+ this step's metadata.
+        if isinstance(kv_connector_metadata, UCMConnectorMetadata):
+            ids = kv_connector_metadata.preempted_req_ids
+        else:
+            ids = set(kv_connector_metadata or ())
+        self._side(self._worker_side, "handle_preemptions").handle_preemptions(ids)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._side(self._worker_side, "start_load_kv").start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker_side.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self._worker_side.save_kv_layer(layer_name, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        self._side(self._worker_side, "wait_for_save").wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        worker = self._side(self._worker_side, "get_finished")
+        sending, recving, _failed = worker.transfer_results(
+            finished_req_ids, failures_as_block_errors=True
+        )
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        worker = self._side(self._worker_side, "get_transfer_results")
+        sending, recving, failed = worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._side(
+            self._worker_side, "get_block_ids_with_load_errors"
+        ).block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker_side.worker_meta() if self._worker_side is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker_side is not None:
+            self._worker_side.shutdown()
+
+    # ==================================================================================
+    # Scheduler side
+    # ==================================================================================
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        side = self._side(self._sched_side, "get_num_new_matched_tokens")
+        return side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        side = self._side(self._sched_side, "update_state_after_alloc")
+        side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._side(self._sched_side, "build_connector_meta").build_connector_meta(
+            scheduler_output
+        )
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._sched_side is not None:
+            self._sched_side.update_connector_output(connector_output)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._side(self._sched_side, "bind_gpu_block_pool").bind_gpu_block_pool(gpu_block_pool)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched_side is not None and self._sched_side.has_pending_work()
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Non-HMA path, incl. MultiConnector with a non-HMA sibling (seed 000): the same
+        # decision as request_finished_all_groups, or finished_sending is miscounted.
+        return self._side(self._sched_side, "request_finished").request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        side = self._side(self._sched_side, "request_finished_all_groups")
+        return side.request_finished(request)
+
+
+def _tp_rank(tp_size: int) -> int:
+    if tp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def register_with_vllm() -> bool:
+    """Register ``UCMPatchConnector`` with vLLM's connector factory (idempotent).
+
+    Returns True when this call registered it, False when it already was. Called by the
+    ucm_patch plugin in every vLLM process.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    with _register_lock:
+        registry = getattr(KVConnectorFactory, "_registry", None)
+        if registry is not None and NAME in registry:
+            return False
+        try:
+            KVConnectorFactory.register_connector(NAME, __name__, NAME)
+        except ValueError as exc:  # registered meanwhile by another path
+            if "already registered" not in str(exc):
+                raise
+            return False
+        return True
+
+
+def stats() -> dict[str, int]:
+    """This process's connector counters plus the dump scheduler's main ones."""
+    from ucm_patch.hooks.metrics import METRICS
+
+    out = connector_stats.snapshot()
+    out["dumps_completed"] = METRICS.dumps_completed
+    out["dumps_failed"] = METRICS.dumps_failed
+    out["dumps_skipped"] = METRICS.dumps_skipped
+    out["bytes_written"] = METRICS.bytes_written
+    return out
+
+
+def wait_for_dumps(timeout: float = 30.0) -> bool:
+    """Block until this process's dump scheduler has no dump in flight (tests, demo)."""
+    from ucm_patch.hooks.scheduler import get_scheduler
+
+    sched = get_scheduler()
+    deadline = time.monotonic() + timeout
+    while sched.internal_sizes()["slots_in_use"]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def active_connectors() -> list[UCMPatchConnector]:
+    """This process's worker-side UCMPatchConnector(s), also inside a MultiConnector."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    agent = getattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    found: list[UCMPatchConnector] = []
+    stack = [agent] if agent is not None else []
+    while stack:
+        conn = stack.pop()
+        if isinstance(conn, UCMPatchConnector):
+            found.append(conn)
+        stack.extend(getattr(conn, "_connectors", ()))
+    return found

@@ -1,0 +1,430 @@
+"""Scheduler side of the KV connector: lookups, load and dump plans, delayed free, pins.
+
+Runs in vLLM's engine-core process, on the scheduler thread. Per request it remembers how
+far its blocks are already in the store (dumped or loaded), so each block is planned for
+a dump once and a loaded block is never dumped again.
+
+**Lookup** (:meth:`SchedulerSide.get_num_new_matched_tokens`): the longest prefix, beyond
+vLLM's own (block-aligned) local hit, whose blocks are all in the store, checked with one
+``exists_many`` per 32 hit units. A block counts only if every key of every row and TP
+rank exists (a partly stored block is a miss) and the prefix is contiguous. For hybrid
+models the hit must also end where a GDN/Mamba state was stored: a state exists only at
+block boundaries where a scheduler step ended (vLLM's mamba "align" mode). The hit always
+leaves at least one prompt token to compute. Store errors count as a miss.
+
+**Loads**: ``layerwise`` (synchronous, row by row during the forward; load errors become
+``get_block_ids_with_load_errors`` so vLLM recomputes) when the model has a single attention
+KV-cache group; ``async`` (between steps; failures come back as ``failed_recving``)
+otherwise, because vLLM 0.32 raises on block-level load errors with several groups.
+
+**Dumps** (:meth:`SchedulerSide.build_connector_meta`): every attention block that becomes
+full in this step (spec-decode draft positions excluded) and has a content hash; for
+Mamba/GDN groups the exact boundary-state blocks vLLM offers in
+``scheduler_output.kv_connector_block_state`` (vLLM 0.32; such states are not positional,
+so without that offer no state is dumped and hybrid prefixes never hit).
+
+**Delayed free** (seed 000): ``request_finished`` / ``request_finished_all_groups`` return
+True exactly for requests that had dump entries in some step's metadata and were not
+preempted since; every worker opens a dump batch for exactly those ids and reports them in
+``finished_sending`` once their dumps are done. The same id set on both sides keeps
+``MultiConnector``'s per-child async-save count exact.
+
+**Pins** (vLLM >= 0.22.1, ``bind_gpu_block_pool``): every block a step's dumps read gets
+an extra reference until every worker reported that step done (worker metadata). This
+covers blocks vLLM frees *while the request runs* — Mamba "align" boundary states and
+sliding-window blocks — which delayed free cannot hold. Without a block pool the workers
+copy pages before ``save_kv_layer`` returns (``metadata.pinned = False``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from ucm_patch import connector_stats as stats
+from ucm_patch.connector_config import ConnectorConfig, ConnectorConfigError
+from ucm_patch.connector_layout import KVLayout, hash_hex
+from ucm_patch.connector_meta import (
+    DumpEntry,
+    LoadEntry,
+    RequestLoad,
+    UCMConnectorMetadata,
+    UCMWorkerMetadata,
+)
+from ucm_patch.hooks.stores.base import KVStore, StoreError
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
+LOOKUP_CHUNK_UNITS = 32
+
+
+class _Req:
+    """What the scheduler side remembers about one live request."""
+
+    __slots__ = ("next_block", "request", "state_done")
+
+    def __init__(self, request: Any, layout: KVLayout) -> None:
+        self.request = request
+        #: attention group -> first block index not yet stored or planned
+        self.next_block = {g.index: 0 for g in layout.attention_groups}
+        #: Mamba boundaries (tokens) up to this one are stored, planned or loaded
+        self.state_done = 0
+
+
+def choose_load_async(layout: KVLayout, load_mode: str) -> bool:
+    """Whether loads run between steps (True) or layerwise in the forward (False)."""
+    if load_mode == "async":
+        return True
+    if load_mode == "layerwise":
+        if not layout.layerwise_capable():
+            raise ConnectorConfigError(
+                "load_mode: 'layerwise' needs a single attention KV-cache group, but this "
+                f"model has {len(layout.groups)} group(s) "
+                f"({', '.join(g.spec for g in layout.groups)}); vLLM cannot recompute "
+                "blocks after a synchronous load error there. Use 'auto' or 'async'."
+            )
+        return False
+    return not layout.layerwise_capable()
+
+
+class SchedulerSide:
+    """The scheduler-side half of :class:`ucm_patch.connector.UCMPatchConnector`."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        config: ConnectorConfig,
+        store: KVStore,
+        *,
+        can_load: bool,
+        can_dump: bool,
+        expected_reports: int = 1,
+    ) -> None:
+        self.layout = layout
+        self.config = config
+        self.store = store
+        self.can_load = can_load
+        self.can_dump = can_dump
+        self.load_async = choose_load_async(layout, config.load_mode)
+        #: workers that must report a step done before its pins are dropped
+        self.expected_reports = max(1, expected_reports)
+        self._reqs: dict[str, _Req] = {}
+        self._lookups: dict[str, tuple[int, int]] = {}
+        self._loads: list[RequestLoad] = []
+        self._delayed: set[str] = set()
+        self._tables: dict[str, list[list[int]]] = {}
+        self._step = 0
+        self._pool: Any = None
+        self._pins: dict[int, list[Any]] = {}
+        self._reports: dict[int, int] = {}
+
+    # ---------------------------------------------------------------------------------
+    # Lookup
+    # ---------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` the store can provide, and async-ness."""
+        if not self.can_load:
+            return 0, False
+        stats.bump("lookups")
+        try:
+            end = self.longest_hit(request, num_computed_tokens)
+        except StoreError as exc:
+            stats.bump("lookup_errors")
+            logger.warning("ucm connector: lookup of %s failed (miss): %s", request.request_id, exc)
+            end = num_computed_tokens
+        hit = max(0, end - num_computed_tokens)
+        self._lookups[request.request_id] = (num_computed_tokens, hit)
+        return hit, self.load_async and hit > 0
+
+    def longest_hit(self, request: Any, start: int) -> int:
+        """End (tokens) of the longest stored prefix continuing ``start`` (module docstring)."""
+        layout = self.layout
+        unit = layout.unit
+        if start % unit:
+            return start
+        hashes = request.block_hashes
+        limit = min(len(hashes) * layout.hash_block_size, request.num_tokens - 1)
+        limit -= limit % unit
+        best = start
+        first, last = start // unit, limit // unit
+        for chunk in range(first, last, LOOKUP_CHUNK_UNITS):
+            units = range(chunk, min(chunk + LOOKUP_CHUNK_UNITS, last))
+            keys: list[str] = []
+            spans: list[tuple[int, int, int]] = []
+            for j in units:
+                a0 = len(keys)
+                for g in layout.attention_groups:
+                    per = unit // g.block_size
+                    for i in range(j * per, (j + 1) * per):
+                        h = hash_hex(hashes[layout.hash_index(g, i)])
+                        keys.extend(layout.keys_all_ranks(h, g.index))
+                a1 = len(keys)
+                for g in layout.mamba_groups:
+                    i = (j + 1) * unit // g.block_size - 1
+                    h = hash_hex(hashes[layout.hash_index(g, i)])
+                    keys.extend(layout.keys_all_ranks(h, g.index))
+                spans.append((a0, a1, len(keys)))
+            present = self.store.exists_many(keys)
+            for j, (a0, a1, m1) in zip(units, spans, strict=True):
+                if not all(present[a0:a1]):
+                    return best
+                if all(present[a1:m1]):
+                    best = (j + 1) * unit
+        return best
+
+    # ---------------------------------------------------------------------------------
+    # Allocation -> load plan
+    # ---------------------------------------------------------------------------------
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Register the request; plan its load when vLLM accepted external tokens from us."""
+        rid = request.request_id
+        st = self._reqs.get(rid)
+        if st is None:
+            st = self._reqs[rid] = _Req(request, self.layout)
+        if num_external_tokens <= 0 or not self.can_load:
+            return
+        looked = self._lookups.get(rid)
+        if looked is None or num_external_tokens > looked[1]:
+            raise RuntimeError(
+                f"ucm connector: vLLM allocated {num_external_tokens} external tokens for "
+                f"request {rid} but the last lookup offered {looked and looked[1]}"
+            )
+        start = looked[0]
+        end = start + num_external_tokens
+        if end % self.layout.unit:
+            raise RuntimeError(
+                f"ucm connector: external tokens of {rid} end at {end}, not a multiple of "
+                f"the hit unit {self.layout.unit}"
+            )
+        block_ids = blocks.get_block_ids()
+        self._loads.append(
+            RequestLoad(
+                rid,
+                self._load_entries(st, block_ids, start, end),
+                num_external_tokens,
+                self.load_async,
+            )
+        )
+        stats.bump("hit_requests")
+        stats.bump("hit_tokens", num_external_tokens)
+
+    def _load_entries(
+        self, st: _Req, block_ids: tuple[list[int], ...], start: int, end: int
+    ) -> list[LoadEntry]:
+        layout = self.layout
+        hashes = st.request.block_hashes
+        entries: list[LoadEntry] = []
+        for g in layout.attention_groups:
+            ids = block_ids[g.index]
+            for i in range(start // g.block_size, end // g.block_size):
+                if ids[i] != NULL_BLOCK:
+                    h = hash_hex(hashes[layout.hash_index(g, i)])
+                    entries.append((g.index, (ids[i],), h))
+            st.next_block[g.index] = max(st.next_block[g.index], end // g.block_size)
+        for g in layout.mamba_groups:
+            # The state after token `end` lives in block (end - 1) // block_size: vLLM's
+            # preprocess copies it from there into the running block before the next
+            # forward (async loads finish before the request is scheduled again).
+            i = end // g.block_size - 1
+            ids = block_ids[g.index]
+            dst = ids[i] if i < len(ids) else NULL_BLOCK
+            h = hash_hex(hashes[layout.hash_index(g, i)])
+            # An entry with no destination is a load failure on the worker (never a
+            # silently skipped state).
+            entries.append((g.index, (dst,) if dst != NULL_BLOCK else (), h))
+        st.state_done = max(st.state_done, end)
+        return entries
+
+    # ---------------------------------------------------------------------------------
+    # Per-step metadata
+    # ---------------------------------------------------------------------------------
+    def build_connector_meta(self, so: Any) -> UCMConnectorMetadata:
+        """This step's loads, dumps and preemptions (see the module docstring)."""
+        self._step += 1
+        md = UCMConnectorMetadata(
+            step=self._step,
+            loads=self._loads,
+            preempted_req_ids=set(getattr(so, "preempted_req_ids", None) or ()),
+        )
+        self._loads = []
+        for rid in md.preempted_req_ids:
+            # The worker waits for, then forgets, the dumps of preempted requests
+            # (handle_preemptions): neither side delays their free any more.
+            self._delayed.discard(rid)
+        block_state = getattr(so, "kv_connector_block_state", None)
+        if block_state is None:
+            self._track_tables(so)
+        if self.can_dump:
+            self._plan_dumps(so, md, block_state)
+        if md.dumps:
+            stats.bump("dump_steps")
+            stats.bump("dump_blocks", md.dump_block_count())
+            self._delayed.update(md.dumps)
+            if self._pool is not None:
+                self._pin(md)
+        return md
+
+    def _plan_dumps(self, so: Any, md: UCMConnectorMetadata, block_state: Any) -> None:
+        computed: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            computed[rid] = cached.num_computed_tokens[i]
+        spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            ids = self._block_ids(rid, block_state)
+            if ids is None:
+                continue
+            start = computed.get(rid, 0)
+            self._rewind(st, start)
+            end = start + n - len(spec.get(rid, ()))
+            entries = self._attention_dumps(st, ids, end)
+            if entries:
+                md.dumps[rid] = entries
+        if block_state is not None and self.layout.mamba_groups:
+            offers = getattr(block_state, "boundary_state_offloads", None) or {}
+            for rid, items in offers.items():
+                st = self._reqs.get(rid)
+                if st is not None:
+                    entries = self._state_dumps(st, items)
+                    if entries:
+                        md.dumps.setdefault(rid, []).extend(entries)
+
+    def _rewind(self, st: _Req, computed: int) -> None:
+        """Forget "stored" marks at or beyond ``computed`` (the request recomputes them).
+
+        vLLM rolls ``num_computed_tokens`` back after a load error (recompute policy) or a
+        preemption without local cache; those blocks are computed again and must be dumped
+        again (a failed load removed the corrupt values). In normal steps this is a no-op.
+        """
+        for g in self.layout.attention_groups:
+            limit = computed // g.block_size
+            if st.next_block[g.index] > limit:
+                st.next_block[g.index] = limit
+        if st.state_done > computed:
+            st.state_done = computed
+
+    def _attention_dumps(self, st: _Req, ids: tuple[list[int], ...], end: int) -> list[DumpEntry]:
+        layout = self.layout
+        hashes = st.request.block_hashes
+        out: list[DumpEntry] = []
+        for g in layout.attention_groups:
+            ratio = g.block_size // layout.hash_block_size
+            gids = ids[g.index]
+            last = min(end // g.block_size, len(hashes) // ratio, len(gids))
+            for i in range(st.next_block[g.index], last):
+                if gids[i] != NULL_BLOCK:
+                    out.append((g.index, gids[i], hash_hex(hashes[layout.hash_index(g, i)])))
+            st.next_block[g.index] = max(st.next_block[g.index], last)
+        return out
+
+    def _state_dumps(self, st: _Req, items: Iterable[tuple[int, int, int]]) -> list[DumpEntry]:
+        layout = self.layout
+        hashes = st.request.block_hashes
+        out: list[DumpEntry] = []
+        for gid, bid, boundary in items:
+            g = layout.group_by_index.get(gid)
+            if g is None or g.kind != "mamba" or bid == NULL_BLOCK:
+                continue
+            # Only unit-aligned states can complete a lookup; sub-block states are skipped.
+            if boundary <= st.state_done or boundary % layout.unit:
+                continue
+            hidx = boundary // layout.hash_block_size - 1
+            if hidx >= len(hashes):
+                continue
+            out.append((gid, bid, hash_hex(hashes[hidx])))
+            st.state_done = boundary
+        return out
+
+    def _block_ids(self, rid: str, block_state: Any) -> tuple[list[int], ...] | None:
+        if block_state is not None:
+            return block_state.get_block_ids(rid)
+        table = self._tables.get(rid)
+        return tuple(table) if table is not None else None
+
+    def _track_tables(self, so: Any) -> None:
+        """Block tables from the scheduler output (vLLM without ``kv_connector_block_state``)."""
+        for r in so.scheduled_new_reqs:
+            self._tables[r.req_id] = [list(ids) for ids in r.block_ids]
+        cached = so.scheduled_cached_reqs
+        resumed: set[str] = set(getattr(cached, "resumed_req_ids", None) or ())
+        flags = getattr(cached, "resumed_from_preemption", None)
+        if flags:
+            resumed.update(rid for rid, flag in zip(cached.req_ids, flags, strict=False) if flag)
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            if new is None:
+                continue
+            table = self._tables.get(rid)
+            if rid in resumed or table is None:
+                self._tables[rid] = [list(ids) for ids in new]
+            else:
+                for ids, more in zip(table, new, strict=True):
+                    ids.extend(more)
+
+    # ---------------------------------------------------------------------------------
+    # Pins (vLLM >= 0.22.1)
+    # ---------------------------------------------------------------------------------
+    def bind_gpu_block_pool(self, pool: Any) -> None:
+        """Keep vLLM's block pool: dumped blocks are pinned until the workers are done."""
+        self._pool = pool
+
+    def _pin(self, md: UCMConnectorMetadata) -> None:
+        pool = self._pool
+        blocks = [pool.blocks[bid] for entries in md.dumps.values() for _g, bid, _h in entries]
+        pool.touch(blocks)
+        self._pins[md.step] = blocks
+        md.pinned = True
+        stats.bump("pinned_blocks", len(blocks))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Unpin the blocks of steps every worker reported done."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, UCMWorkerMetadata):
+            return
+        for step, count in meta.done_steps.items():
+            got = self._reports.get(step, 0) + count
+            if got < self.expected_reports:
+                self._reports[step] = got
+                continue
+            self._reports.pop(step, None)
+            blocks = self._pins.pop(step, None)
+            if blocks:
+                self._pool.free_blocks(blocks)
+                stats.bump("unpinned_blocks", len(blocks))
+
+    def has_pending_work(self) -> bool:
+        """True while pinned blocks wait for the workers (keeps the engine stepping)."""
+        return bool(self._pins)
+
+    # ---------------------------------------------------------------------------------
+    # Finish
+    # ---------------------------------------------------------------------------------
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Delay the free iff the workers will report this request in finished_sending."""
+        rid = request.request_id
+        delay = rid in self._delayed
+        self._delayed.discard(rid)
+        self._reqs.pop(rid, None)
+        self._lookups.pop(rid, None)
+        self._tables.pop(rid, None)
+        if delay:
+            stats.bump("delayed_frees")
+        return delay, None
+
+    def internal_sizes(self) -> dict[str, int]:
+        """Sizes of every per-request map (all 0 once every request finished)."""
+        return {
+            "requests": len(self._reqs),
+            "lookups": len(self._lookups),
+            "pending_loads": len(self._loads),
+            "delayed": len(self._delayed),
+            "tables": len(self._tables),
+            "pinned_steps": len(self._pins),
+        }

@@ -1,0 +1,58 @@
+"""Per-process counters of the KV connector (both sides), for tests, the demo and logs.
+
+The dump scheduler keeps its own metrics (:data:`ucm_patch.hooks.metrics.METRICS`); these
+count what only the connector knows: lookups and hit tokens, loads, load errors, pinned
+blocks, delayed frees. Counters only grow; :func:`snapshot` copies them.
+
+Updated per step or per request, never per layer, from the scheduler thread, the forward
+thread and the load threads, hence the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+
+COUNTERS = (
+    "lookups",
+    "lookup_errors",
+    "hit_requests",
+    "hit_tokens",
+    "loads_layerwise",
+    "loads_sync_fallback",
+    "loads_async",
+    "rows_waited_in_layer",
+    "loaded_pages",
+    "load_errors",
+    "load_failed_requests",
+    "dump_steps",
+    "dump_blocks",
+    "dump_pages",
+    "dump_pages_eager",
+    "pinned_blocks",
+    "unpinned_blocks",
+    "delayed_frees",
+    "finished_sending",
+    "finished_recving",
+)
+
+_lock = threading.Lock()
+_values: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+
+def bump(name: str, n: int = 1) -> None:
+    """Add ``n`` to counter ``name`` (KeyError for an unknown name: a typo is a bug)."""
+    with _lock:
+        _values[name] += n
+
+
+def snapshot() -> dict[str, int]:
+    """A copy of every counter."""
+    with _lock:
+        return dict(_values)
+
+
+def reset() -> None:
+    """Zero every counter (tests)."""
+    with _lock:
+        for key in _values:
+            _values[key] = 0

@@ -1,0 +1,465 @@
+"""Worker side of the KV connector: page views, dumps through the DumpScheduler, loads.
+
+Runs in each vLLM worker process. Every storage row (layers whose pages alias) is seen as
+one ``uint8`` tensor ``[num_blocks, page_bytes]`` over vLLM's own KV-cache memory, so a
+page is moved as raw bytes whatever the layer kind (attention KV, GDN conv + SSM state).
+
+**Dumps.** ``bind_connector_metadata`` opens one :class:`~ucm_patch.hooks.scheduler.Batch`
+per step for the requests with dump entries and precomputes each row's keys and block
+indices (once per step, not per layer). ``save_kv_layer`` at a row's last layer submits the
+row (:func:`ucm_patch.hooks.rows.RowMap.dump_row`: one dict lookup on the hot path); rows
+whose last layer never called ``save_kv_layer`` are submitted in ``wait_for_save``, after
+the whole forward, so a layer without hooks never makes a block half-stored. When the
+scheduler pinned the blocks (``metadata.pinned``) the copy runs on a dump thread after the
+layer's event; otherwise it is taken before ``save_kv_layer`` returns.
+
+**Loads.** Layerwise: ``start_load_kv`` starts ``load_prefetch_rows`` rows on the load
+threads, ``wait_for_layer_load`` waits only for the layer's row
+(:class:`~ucm_patch.hooks.rows.RowLoader`). A row holding a layer that was never seen
+calling ``wait_for_layer_load`` in this process (no hook on that layer, or the first step of
+a new process) is loaded completely in ``start_load_kv`` instead: a load is never
+"waited for" by a hook that does not fire. Async: each request loads on the load threads
+between steps and is reported in ``finished_recving``.
+
+**Load errors.** A missing, corrupt (checksum) or wrong-sized value, or a store error,
+fails the whole request's load. Layerwise: all its loaded block ids go to
+``get_block_ids_with_load_errors`` and vLLM (``kv_load_failure_policy="recompute"``)
+recomputes them. Async: the request is reported in ``failed_recving`` (vLLM 0.32) or its
+blocks as load errors (older vLLM).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import torch
+
+from ucm_patch import connector_stats as stats
+from ucm_patch.connector_config import ConnectorConfig
+from ucm_patch.connector_layout import KVLayout
+from ucm_patch.connector_meta import RequestLoad, UCMConnectorMetadata, UCMWorkerMetadata
+from ucm_patch.hooks.rows import RowLoader
+from ucm_patch.hooks.scheduler import Batch, DumpScheduler, get_scheduler
+from ucm_patch.hooks.stores.base import KVStore, StoreError
+
+logger = logging.getLogger(__name__)
+
+# (request id, key, destination block ids) of one page to load
+_LoadJob = tuple[str, str, tuple[int, ...]]
+# (keys, payload callable for the dump thread) of one row's dump this step
+_RowPlan = tuple[list[str], Callable[[Any], list[memoryview]]]
+
+
+def copy_pages(view: torch.Tensor, idx: torch.Tensor, _task: Any = None) -> list[memoryview]:
+    """Host copies of the pages ``idx`` of a row view, one memoryview per page.
+
+    ``_task``: the dump task when called as a DumpScheduler payload (unused).
+    """
+    data = view.index_select(0, idx)
+    if data.device.type != "cpu":
+        data = data.cpu()
+    arr = data.numpy()
+    return [memoryview(arr[i]) for i in range(arr.shape[0])]
+
+
+def page_view(
+    tensor: torch.Tensor, start: int, block_stride: int, page_bytes: int, num_blocks: int
+) -> torch.Tensor:
+    """``uint8 [num_blocks, page_bytes]`` view over the storage of ``tensor`` (no copy)."""
+    storage = tensor.untyped_storage()
+    end = start + (num_blocks - 1) * block_stride + page_bytes
+    if start < 0 or page_bytes <= 0 or page_bytes > block_stride or end > storage.nbytes():
+        raise ValueError(
+            f"page view out of bounds: start={start} block_stride={block_stride} "
+            f"page_bytes={page_bytes} num_blocks={num_blocks} storage={storage.nbytes()}"
+        )
+    view = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    view.set_(storage, start, (num_blocks, page_bytes), (block_stride, 1))
+    return view
+
+
+class WorkerSide:
+    """The worker-side half of :class:`ucm_patch.connector.UCMPatchConnector`."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        config: ConnectorConfig,
+        store: KVStore,
+        kv_cache_config: Any,
+        rank: int,
+        *,
+        can_load: bool,
+        can_dump: bool,
+        scheduler: DumpScheduler | None = None,
+    ) -> None:
+        self.layout = layout
+        self.config = config
+        self.store = store
+        self.kv_cache_config = kv_cache_config
+        self.rank = rank
+        self.can_load = can_load
+        self.can_dump = can_dump
+        self.sched = scheduler or get_scheduler(
+            workers=config.dump_workers,
+            capacity=config.dump_queue_capacity,
+            on_full=config.dump_on_full,
+            full_wait_s=config.dump_full_wait_s,
+            blocking_finish=config.blocking_finish,
+        )
+        n = len(layout.rows)
+        self.views: list[torch.Tensor | None] = [None] * n
+        self._dump_row = layout.rows.dump_row
+        self._pool = ThreadPoolExecutor(config.load_workers, thread_name_prefix="ucm-load")
+        #: layer -> wait_for_layer_load / save_kv_layer calls seen in this process. A layer
+        #: missing from wait_calls has no load hook here (see start_load_kv).
+        self.wait_calls: dict[str, int] = {}
+        self.save_calls: dict[str, int] = {}
+        # -- per step: dumps
+        self._batch: Batch | None = None
+        self._pinned = False
+        self._row_plans: list[_RowPlan | None] = [None] * n
+        self._row_done = bytearray(n)
+        self._open_steps: list[tuple[int, Batch]] = []
+        # -- per step: layerwise loads
+        self._row_jobs: list[list[_LoadJob]] = [[] for _ in range(n)]
+        self._load_blocks: dict[str, list[int]] = {}
+        self._loader = RowLoader(
+            layout.rows, self._submit_row_load, self._wait_row_load, depth=config.load_prefetch_rows
+        )
+        self._loading = False
+        self._in_layer = False
+        self._load_errors: set[int] = set()
+        # -- async loads
+        self._async_loads: list[RequestLoad] = []
+        self._async: dict[str, tuple[Future[set[str]], list[int]]] = {}
+
+    # ---------------------------------------------------------------------------------
+    # KV caches
+    # ---------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Build one page view per storage row over vLLM's KV-cache memory."""
+        placement = self._placements()
+        for row in self.layout.rows.rows:
+            layer = row.layers[0]
+            if layer not in kv_caches:
+                raise ValueError(f"register_kv_caches: no KV cache for layer {layer!r}")
+            tensor = kv_caches[layer]
+            if isinstance(tensor, list | tuple):  # older vLLM: [conv, ssm] views of a page
+                tensor = tensor[0]
+            if layer in placement:
+                start, stride, page, num_blocks = placement[layer]
+            else:
+                size = tensor.element_size()
+                start = tensor.storage_offset() * size
+                stride = tensor.stride(0) * size
+                page = min(self.layout.row_page_bytes[row.index], stride)
+                num_blocks = tensor.shape[0]
+            self.views[row.index] = page_view(tensor, start, stride, page, num_blocks)
+
+    def _placements(self) -> dict[str, tuple[int, int, int, int]]:
+        """layer -> (start, block_stride, page_bytes, num_blocks) from vLLM >= 0.32 tensors."""
+        out: dict[str, tuple[int, int, int, int]] = {}
+        cfg = self.kv_cache_config
+        for tensor in getattr(cfg, "kv_cache_tensors", ()):
+            layers = getattr(tensor, "layers", None)
+            if layers is None:
+                continue
+            num_of = getattr(cfg, "num_blocks_of", None)
+            num_blocks = num_of(tensor) if num_of is not None else cfg.num_blocks
+            page = min(tensor.layer_stride, tensor.block_stride)
+            for li, layer in enumerate(layers):
+                start = tensor.offset + li * tensor.layer_stride
+                out[layer] = (start, tensor.block_stride, page, num_blocks)
+        return out
+
+    # ---------------------------------------------------------------------------------
+    # Per step
+    # ---------------------------------------------------------------------------------
+    def bind(self, md: UCMConnectorMetadata) -> None:
+        """Prepare this step's dumps and loads (once per step)."""
+        for jobs in self._row_jobs:
+            jobs.clear()
+        self._load_blocks.clear()
+        if md.dumps and self.can_dump:
+            self._open_dumps(md)
+        if md.loads and self.can_load:
+            self._prepare_loads(md.loads)
+
+    def _open_dumps(self, md: UCMConnectorMetadata) -> None:
+        # A batch left open (no wait_for_save since) would never be reported: close it.
+        self._close_dumps()
+        layout = self.layout
+        batch = self.sched.open_batch(md.dumps.keys(), self.store, md.step)
+        self._batch = batch
+        self._pinned = md.pinned
+        self._row_done[:] = bytes(len(self._row_done))
+        per_row: list[tuple[list[str], list[int]]] = [([], []) for _ in self._row_plans]
+        for entries in md.dumps.values():
+            for group, block_id, block_hash in entries:
+                for r in layout.rows_of_group[group]:
+                    keys, idx = per_row[r]
+                    keys.append(layout.key(block_hash, group, r, self.rank))
+                    idx.append(block_id)
+        pages = 0
+        for r, (keys, ids) in enumerate(per_row):
+            view = self.views[r]
+            if not keys:
+                self._row_plans[r] = None
+                continue
+            if view is None:
+                raise RuntimeError("ucm connector: dump planned before register_kv_caches")
+            idx = torch.tensor(ids, dtype=torch.long, device=view.device)
+            # Built once per step: the per-layer submit allocates nothing.
+            self._row_plans[r] = (keys, partial(copy_pages, view, idx))
+            pages += len(keys)
+        stats.bump("dump_pages", pages)
+        if md.pinned:
+            self._open_steps.append((md.step, batch))
+
+    def _close_dumps(self) -> None:
+        """Submit the rows whose save layer never ran (after the forward), then seal."""
+        batch = self._batch
+        if batch is None:
+            return
+        for row in range(len(self._row_done)):
+            if not self._row_done[row]:
+                self._row_done[row] = 1
+                self._submit_row(row, None, None)
+        self.sched.seal(batch)
+        self._batch = None
+
+    def save_kv_layer(self, layer_name: str, attn_metadata: Any) -> None:
+        """Hot path: submit the row whose last layer just ran."""
+        calls = self.save_calls
+        calls[layer_name] = calls.get(layer_name, 0) + 1
+        if self._batch is None:
+            return
+        row = self._dump_row(layer_name)
+        if row < 0 or self._row_done[row]:
+            return
+        self._row_done[row] = 1
+        self._submit_row(row, layer_name, attn_metadata)
+
+    def _submit_row(self, row: int, layer_name: str | None, attn_metadata: Any) -> None:
+        plan = self._row_plans[row]
+        batch = self._batch
+        if plan is None or batch is None:
+            return
+        keys, produce = plan
+        sched = self.sched
+        if not self._pinned:
+            # Nothing holds the blocks after this step: copy now, store asynchronously.
+            stats.bump("dump_pages_eager", len(keys))
+            sched.submit(batch, row, keys, produce(None))
+        elif layer_name is None:
+            event, owned, source = sched.events.record()
+            sched.submit(batch, row, keys, produce, event, owned, source)
+        else:
+            sched.submit_layer(batch, layer_name, attn_metadata, row, keys, produce)
+
+    def wait_for_save(self) -> None:
+        """Submit rows no hook dumped, seal the step's batch, finish layerwise loads."""
+        self._close_dumps()
+        if self._loading:
+            self._loading = False
+            self._loader.drain()
+
+    # ---------------------------------------------------------------------------------
+    # Loads
+    # ---------------------------------------------------------------------------------
+    def _prepare_loads(self, loads: Iterable[RequestLoad]) -> None:
+        layout = self.layout
+        for load in loads:
+            if load.is_async:
+                self._async_loads.append(load)
+                continue
+            blocks = self._load_blocks.setdefault(load.req_id, [])
+            for group, dsts, block_hash in load.entries:
+                blocks.extend(dsts)
+                for r in layout.rows_of_group[group]:
+                    key = layout.key(block_hash, group, r, self.rank)
+                    self._row_jobs[r].append((load.req_id, key, dsts))
+
+    def start_load_kv(self) -> None:
+        """Start this step's loads (layerwise rows ahead; async requests on threads)."""
+        if self._load_blocks:
+            self._loader.start()
+            self._loading = True
+            rows = self.layout.rows.rows
+            unseen = any(
+                jobs and any(layer not in self.wait_calls for layer in rows[r].layers)
+                for r, jobs in enumerate(self._row_jobs)
+            )
+            if unseen:
+                stats.bump("loads_sync_fallback")
+                self._loader.drain()
+            else:
+                stats.bump("loads_layerwise")
+        for load in self._async_loads:
+            stats.bump("loads_async")
+            blocks = [d for _g, dsts, _h in load.entries for d in dsts]
+            self._async[load.req_id] = (self._pool.submit(self._load_request, load), blocks)
+        self._async_loads = []
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Hot path: wait for ``layer_name``'s row (no-op when nothing loads this step)."""
+        calls = self.wait_calls
+        calls[layer_name] = calls.get(layer_name, 0) + 1
+        if self._loading:
+            self._in_layer = True
+            try:
+                self._loader.on_layer(layer_name)
+            finally:
+                self._in_layer = False
+
+    def _submit_row_load(self, row: int) -> Future[set[str]] | None:
+        jobs = self._row_jobs[row]
+        if not jobs:
+            return None
+        return self._pool.submit(self._load_row, row, list(jobs))
+
+    def _wait_row_load(self, row: int, handle: Future[set[str]] | None) -> None:
+        if handle is None:
+            return
+        if self._in_layer:
+            stats.bump("rows_waited_in_layer")
+        for rid in handle.result():
+            self._fail_layerwise(rid)
+
+    def _fail_layerwise(self, rid: str) -> None:
+        blocks = self._load_blocks.get(rid, ())
+        if blocks and not self._load_errors.issuperset(blocks):
+            stats.bump("load_failed_requests")
+        self._load_errors.update(blocks)
+
+    def _load_row(self, row: int, jobs: list[_LoadJob]) -> set[str]:
+        """Read one row's pages and write them into their blocks (load thread).
+
+        Returns the ids of requests with at least one page that could not be loaded.
+        """
+        view = self.views[row]
+        if view is None:
+            raise RuntimeError("ucm connector: load before register_kv_caches")
+        page = view.shape[1]
+        failed: set[str] = set()
+        try:
+            values = self.store.get_many([key for _rid, key, _dsts in jobs])
+        except StoreError as exc:
+            logger.warning("ucm connector: load of row %d failed in the store: %s", row, exc)
+            stats.bump("load_errors", len(jobs))
+            return {rid for rid, _key, _dsts in jobs}
+        dst: list[int] = []
+        good: list[bytes] = []
+        for (rid, key, dsts), value in zip(jobs, values, strict=True):
+            if value is None or len(value) != page or not dsts:
+                stats.bump("load_errors")
+                why = "missing or corrupt" if value is None else f"{len(value)} bytes"
+                if value is not None and not dsts:
+                    why = "no destination block"
+                logger.warning("ucm connector: cannot load %s for %s: %s", key, rid, why)
+                failed.add(rid)
+                continue
+            for d in dsts:
+                dst.append(d)
+                good.append(value)
+        if dst:
+            buf = bytearray(len(dst) * page)
+            for i, value in enumerate(good):
+                buf[i * page : (i + 1) * page] = value
+            host = torch.frombuffer(buf, dtype=torch.uint8).view(len(dst), page)
+            idx = torch.tensor(dst, dtype=torch.long, device=view.device)
+            view.index_copy_(0, idx, host.to(view.device))
+            stats.bump("loaded_pages", len(dst))
+        return failed
+
+    def _load_request(self, load: RequestLoad) -> set[str]:
+        """One async request: every row of every entry (load thread)."""
+        layout = self.layout
+        per_row: dict[int, list[_LoadJob]] = {}
+        for group, dsts, block_hash in load.entries:
+            for r in layout.rows_of_group[group]:
+                key = layout.key(block_hash, group, r, self.rank)
+                per_row.setdefault(r, []).append((load.req_id, key, dsts))
+        failed: set[str] = set()
+        for r, jobs in per_row.items():
+            failed |= self._load_row(r, jobs)
+            if failed:
+                break  # the request recomputes anyway
+        return failed
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (then forgotten)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---------------------------------------------------------------------------------
+    # Completion
+    # ---------------------------------------------------------------------------------
+    def transfer_results(
+        self, finished_req_ids: set[str], failures_as_block_errors: bool = False
+    ) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for this step.
+
+        ``failures_as_block_errors``: also report a failed async load's blocks through
+        :meth:`block_ids_with_load_errors` (vLLM without ``failed_recving``).
+        """
+        done = self.sched.get_finished(finished_req_ids)
+        if done.failed:
+            logger.warning(
+                "ucm connector: %d finished request(s) had dumps that failed or were "
+                "skipped (their blocks are not fully stored)",
+                len(done.failed),
+            )
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for rid, (fut, blocks) in list(self._async.items()):
+            if not fut.done():
+                continue
+            del self._async[rid]
+            recving.add(rid)
+            exc = fut.exception()
+            if exc is not None:
+                # Thread boundary: a bug in a load must fail the request (recompute),
+                # not leave it waiting forever; it is logged with its traceback.
+                logger.error("ucm connector: async load of %s raised", rid, exc_info=exc)
+                failed.add(rid)
+            elif fut.result():
+                failed.add(rid)
+            if rid in failed and failures_as_block_errors:
+                self._load_errors.update(blocks)
+        if failed:
+            stats.bump("load_failed_requests", len(failed))
+        if done.sending:
+            stats.bump("finished_sending", len(done.sending))
+        if recving:
+            stats.bump("finished_recving", len(recving))
+        return done.sending, recving, failed
+
+    def handle_preemptions(self, req_ids: Iterable[str]) -> None:
+        """Wait for the dumps that read preempted requests' blocks, then forget them."""
+        ids = set(req_ids)
+        if ids:
+            self.sched.handle_preemptions(ids)
+
+    def worker_meta(self) -> UCMWorkerMetadata | None:
+        """Pinned steps whose dumps are all done (the scheduler side unpins them)."""
+        if not self._open_steps:
+            return None
+        done: dict[int, int] = {}
+        keep: list[tuple[int, Batch]] = []
+        for step, batch in self._open_steps:
+            if batch.done:
+                done[step] = 1
+            else:
+                keep.append((step, batch))
+        self._open_steps = keep
+        return UCMWorkerMetadata(done) if done else None
+
+    def shutdown(self) -> None:
+        """Stop the load threads (the dump scheduler is per process: it stops at exit)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
