@@ -5,8 +5,14 @@ KIND: qwen3 | qwen3_next | qwen3_small (a larger Qwen3 for benchmarks).
 
 Constraints found on vLLM CPU (see shared reference cpu-vllm.md): attention head size
 must be one the CPU backend supports (32 here); Qwen3-Next needs bf16 and linear-attention
-head dims of 128. The tokenizer is a WordLevel model trained on a few sentences.
-Idempotent: an existing complete model directory is left as it is.
+head dims of 128. Qwen3-Next also needs ``tie_word_embeddings=False``: vLLM 0.32's
+``Qwen3NextForCausalLM`` never ties ``lm_head`` to the embeddings and does not complain that
+the checkpoint lacks ``lm_head.weight``, so a tied tiny model has a zero head and uniform
+logits (every logprob -ln(vocab)). ``initializer_range=0.2`` makes its outputs depend
+visibly on the GDN state (with 0.02 a missing state moves the logprobs by ~1e-5 only).
+
+The tokenizer is a WordLevel model trained on a few sentences. Idempotent: a model
+directory built by the same recipe (``RECIPE``) is left as it is; an older one is rebuilt.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+RECIPE = 2  # bump when a change must rebuild existing models
 
 CORPUS = [
     "hello world this is a tiny test",
@@ -91,13 +99,21 @@ def build(kind: str, out: Path, layers: int | None, hidden: int | None, seed: in
             linear_conv_kernel_dim=4,
             full_attention_interval=2,
             layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            tie_word_embeddings=False,
+            initializer_range=0.2,
         )
+        common.pop("tie_word_embeddings")
     cfg = AutoConfig.for_model(model_type, **common, **extra)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     fast.save_pretrained(out)
-    (out / "ucm_tiny.json").write_text(json.dumps({"kind": kind, "seed": seed}))
+    (out / "ucm_tiny.json").write_text(json.dumps({"kind": kind, "seed": seed, "recipe": RECIPE}))
+
+
+def built_by_this_recipe(out: Path) -> bool:
+    stamp = out / "ucm_tiny.json"
+    return stamp.exists() and json.loads(stamp.read_text()).get("recipe") == RECIPE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if (args.outdir / "ucm_tiny.json").exists():
+    if built_by_this_recipe(args.outdir):
         print(f"{args.outdir}: already built")
         return 0
     build(args.kind, args.outdir, args.layers, args.hidden, args.seed)

@@ -7,6 +7,7 @@ process-global, and import order is exactly what is under test.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TINY_RECIPE = 2  # scripts/make_tiny_model.py RECIPE
 MODELS = REPO / "models"
 PY = sys.executable
 
@@ -72,7 +74,8 @@ def run_py(tmp_path: Path) -> RunPy:
 
 def _tiny(kind: str, dirname: str) -> Path:
     out = MODELS / dirname
-    if not (out / "ucm_tiny.json").exists():
+    stamp = out / "ucm_tiny.json"
+    if not stamp.exists() or json.loads(stamp.read_text()).get("recipe") != TINY_RECIPE:
         subprocess.run(
             [PY, str(REPO / "scripts" / "make_tiny_model.py"), kind, str(out)],
             check=True,

@@ -1,0 +1,276 @@
+"""Run real vLLM (CPU) with UCMPatchConnector in a child process and report what happened.
+
+Why a child: a vLLM engine cannot be torn down cleanly inside pytest, every run must start
+from a fresh import state, and the Mooncake run must live inside a private network
+namespace. The child runs in single-process mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+bf16 works there, see the lead's SIGILL note), so the scheduler side, the worker side
+and the test steps share one process and the connector's counters.
+
+``run_child(spec, tmp_path)`` writes ``spec`` as JSON, runs ``python -m
+tests.connector_child SPEC OUT`` (optionally through ``scripts/mooncake_netns.sh``) and
+returns the parsed output. A spec is ``{"model": path, "extra": kv_connector_extra_config
+| None (no connector), "multi": bool (MultiConnector [ours, ExampleConnector]),
+"steps": [...]}`` with steps:
+
+* ``{"op": "gen", "name": N, "prompt": [ids], "salt": str | None}``: generate, record
+  tokens, logprobs, ``num_cached_tokens``, wall time and the connector counters after it;
+* ``{"op": "flush"}``: wait for dumps, run one tiny request so finished requests are
+  reported and pins dropped, then ``reset_prefix_cache()`` (must succeed: nothing leaked)
+  so the next request cannot hit vLLM's own prefix cache, only the store;
+* ``{"op": "corrupt", "count": n}``: flip a payload byte in ``n`` stored files (local
+  store), so a later load fails its checksum;
+* ``{"op": "sizes"}``: record internal map sizes (connector sides, scheduler, block pool).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+MAX_MODEL_LEN = 4096
+NETNS = REPO / "scripts" / "mooncake_netns.sh"
+
+
+def run_child(
+    spec: dict[str, Any],
+    tmp: Path,
+    name: str,
+    *,
+    netns: bool = False,
+    timeout: float = 600,
+) -> dict[str, Any]:
+    """Run one child vLLM process for ``spec``; raise with its stderr tail on failure."""
+    spec_path = tmp / f"{name}.spec.json"
+    out_path = tmp / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_PATCH")}
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # bf16 needs single-process mode on this CPU (AMX SIGILL in spawned workers)
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if spec.get("multiprocess") else "0",
+            "VLLM_PLUGINS": "ucm_patch",
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
+        }
+    )
+    cmd = [PYTHON, "-m", "tests.connector_child", str(spec_path), str(out_path)]
+    if netns:
+        cmd = ["bash", str(NETNS), "--", *cmd]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out_path.exists():
+        raise AssertionError(
+            f"child {name} failed (rc={proc.returncode}): {' '.join(cmd)}\n"
+            f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-8000:]}"
+        )
+    result = json.loads(out_path.read_text())
+    result["stderr"] = proc.stderr
+    return result
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """``n`` deterministic token ids in [4, 1000) (the tiny vocab is 1024)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(4, 1000) for _ in range(n)]
+
+
+# ======================================================================================
+# Child side
+# ======================================================================================
+def _llm(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("hybrid"):
+        kwargs["disable_hybrid_kv_cache_manager"] = False
+    extra = spec.get("extra")
+    if extra is not None:
+        # "$NAME" values come from the environment (the Mooncake master's address is only
+        # known inside the network namespace).
+        extra = {
+            k: os.environ[v[1:]] if isinstance(v, str) and v.startswith("$") else v
+            for k, v in extra.items()
+        }
+        ours = {
+            "kv_connector": "UCMPatchConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+        if spec.get("module_path"):
+            ours["kv_connector_module_path"] = "ucm_patch.connector"
+        if spec.get("multi"):
+            example = {
+                "kv_connector": "ExampleConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": spec["example_dir"]},
+            }
+            ktc = KVTransferConfig(
+                kv_connector="MultiConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"connectors": [ours, example]},
+                kv_load_failure_policy="recompute",
+            )
+        else:
+            ktc = KVTransferConfig(**ours, kv_load_failure_policy="recompute")
+        kwargs["kv_transfer_config"] = ktc
+    return LLM(
+        model=spec["model"],
+        dtype=spec.get("dtype", "bfloat16"),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_MODEL_LEN,
+        max_num_seqs=4,
+        seed=0,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        **kwargs,
+    )
+
+
+def _stats(connected: bool) -> dict[str, int]:
+    if not connected or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+        return {}
+    from ucm_patch import connector
+
+    return connector.stats()
+
+
+def _gen(llm: Any, step: dict[str, Any], connected: bool) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    request: dict[str, Any] = {"prompt_token_ids": step["prompt"]}
+    if step.get("salt"):
+        request["cache_salt"] = step["salt"]
+    params = SamplingParams(
+        max_tokens=step.get("max_tokens", 4), temperature=0.0, logprobs=1, ignore_eos=True
+    )
+    t0 = time.perf_counter()
+    out = llm.generate([request], params, use_tqdm=False)[0]
+    wall = time.perf_counter() - t0
+    comp = out.outputs[0]
+    logprobs = [comp.logprobs[i][tok].logprob for i, tok in enumerate(comp.token_ids)]
+    if connected:
+        from ucm_patch import connector
+
+        connector.wait_for_dumps()
+    return {
+        "tokens": list(comp.token_ids),
+        "logprobs": logprobs,
+        "num_cached_tokens": out.num_cached_tokens,
+        "wall_s": wall,
+        "stats": _stats(connected),
+    }
+
+
+def _flush(llm: Any, connected: bool) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    if connected:
+        from ucm_patch import connector
+
+        connector.wait_for_dumps()  # in-process only (no-op with worker processes)
+    # Tiny requests make the engine step: finished dumps (delayed frees) and done steps
+    # (pins) are reported, then the scheduler drops them. With worker processes the
+    # dumps may still run, so retry the reset for a while.
+    deadline = time.monotonic() + 60
+    attempts = 0
+    while True:
+        attempts += 1
+        llm.generate(
+            [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False
+        )
+        if attempts >= 2 and llm.reset_prefix_cache():
+            return {"reset": True, "attempts": attempts}
+        if time.monotonic() > deadline:
+            return {"reset": False, "attempts": attempts}
+        time.sleep(0.05 if attempts >= 2 else 0)
+
+
+def _corrupt(spec: dict[str, Any], count: int) -> dict[str, Any]:
+    root = Path(spec["extra"]["local_path"])
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    done = []
+    for path in files[:count]:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF  # last payload byte: the frame checksum no longer matches
+        path.write_bytes(bytes(data))
+        done.append(str(path))
+    return {"corrupted": done}
+
+
+def _sizes(llm: Any, connected: bool) -> dict[str, Any]:
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    out: dict[str, Any] = {
+        "scheduler_requests": len(sched.requests),
+        "free_blocks": pool.get_num_free_blocks(),
+        "total_blocks": pool.num_gpu_blocks,
+    }
+    if connected:
+        from ucm_patch.hooks.scheduler import get_scheduler
+
+        conns = [sched.connector]
+        ours = []
+        while conns:
+            c = conns.pop()
+            if type(c).__name__ == "UCMPatchConnector":
+                ours.append(c)
+            conns.extend(getattr(c, "_connectors", ()))
+        out["connector_scheduler"] = ours[0]._sched_side.internal_sizes()
+        out["dump_scheduler"] = get_scheduler().internal_sizes()
+    return out
+
+
+def _layer_calls() -> dict[str, Any]:
+    from ucm_patch import connector
+
+    found = connector.active_connectors()
+    if not found:
+        return {}
+    worker = found[0]._worker_side
+    groups = {layer: g.kind for g in found[0].layout.groups for layer in g.layers}
+    return {
+        "wait": dict(worker.wait_calls),
+        "save": dict(worker.save_calls),
+        "kinds": groups,
+    }
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    spec = json.loads(Path(spec_path).read_text())
+    connected = spec.get("extra") is not None
+    llm = _llm(spec)
+    results: dict[str, Any] = {}
+    for i, step in enumerate(spec["steps"]):
+        op = step["op"]
+        name = step.get("name", f"{op}{i}")
+        if op == "gen":
+            results[name] = _gen(llm, step, connected)
+        elif op == "flush":
+            results[name] = _flush(llm, connected)
+        elif op == "corrupt":
+            results[name] = _corrupt(spec, step["count"])
+        elif op == "sizes":
+            results[name] = _sizes(llm, connected)
+        else:
+            raise ValueError(f"unknown step op {op!r}")
+    if connected and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":
+        results["layer_calls"] = _layer_calls()
+        results["final_stats"] = _stats(True)
+    Path(out_path).write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,143 @@
+"""Hybrid (GDN + attention) rules of UCMPatchConnector, both sides in one process.
+
+A GDN/Mamba page is a *state*: the page of group block ``i`` holds the state after token
+``(i + 1) * block``, and exists only where vLLM offered it (``kv_connector_block_state``
+boundary offers, mamba "align" mode). So a hybrid hit must end where a state is stored,
+the state is loaded into the block vLLM reads it from, and the layout's single storage
+row (both layers alias) carries both kinds of page.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from tests.connector_harness import Harness, Req, blocks, new_req, vllm_config
+from tests.connector_harness import sched_output as so
+from tests.fakes_store import FakeStore
+from tests.test_connector_config import hybrid_config
+from ucm_patch import connector, connector_stats
+from ucm_patch.connector import UCMPatchConnector
+from ucm_patch.hooks.scheduler import reset_scheduler
+
+LAYERS = ("model.layers.0.linear_attn", "model.layers.1.self_attn.attn")
+GDN, ATTN = 0, 1  # group indices
+TOKENS = list(range(300, 317))  # 17 tokens: two units of 8 + 1
+WAIT_S = 30.0
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeStore]:
+    fake = FakeStore()
+    monkeypatch.setattr(connector, "make_store", lambda _config: fake)
+    connector._stores.clear()
+    reset_scheduler()
+    connector_stats.reset()
+    yield fake
+    connector._stores.clear()
+    reset_scheduler()
+    connector_stats.reset()
+
+
+def harness() -> Harness:
+    kvcc, _page = hybrid_config()
+    return Harness(UCMPatchConnector, config=vllm_config(block_size=8), kvcc=kvcc, layers=LAYERS)
+
+
+def block_state(
+    tables: dict[str, tuple[list[int], ...]], offers: dict[str, list]
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        get_block_ids=lambda rid: tables.get(rid), boundary_state_offloads=offers
+    )
+
+
+def prefill_a(h: Harness) -> tuple[dict[int, bytes], list]:
+    """Request "a": state offered at token 16 in GDN block id 3; attention blocks 5, 6, 7."""
+    a = Req("a", TOKENS, block_size=8)
+    tables = {"a": ([0, 3, 4], [5, 6, 7])}  # GDN block 0 is null: no state at token 8
+    h.sched.update_state_after_alloc(a, blocks(*tables["a"]), 0)
+    pages: dict[int, bytes] = {}
+
+    def compute(layer: int) -> None:  # one row: each layer writes its own group's blocks
+        for bid in [3, 4] if layer == 0 else [5, 6, 7]:
+            pages[bid] = h.fill(0, bid, bid)
+
+    md = h.step(
+        so(
+            [new_req("a", tables["a"], 0)],
+            scheduled={"a": 17},
+            block_state=block_state(tables, {"a": [(GDN, 3, 16)]}),
+        ),
+        compute,
+    )
+    assert connector.wait_for_dumps(WAIT_S)
+    return pages, md.dumps["a"]
+
+
+def test_attention_blocks_and_offered_state_are_dumped(store: FakeStore) -> None:
+    h = harness()
+    pages, entries = prefill_a(h)
+    hashes = Req("a", TOKENS, block_size=8).block_hashes
+    assert [(g, bid) for g, bid, _h in entries] == [(ATTN, 5), (ATTN, 6), (GDN, 3)]
+    assert entries[2][2] == hashes[1].hex()  # the state after token 16 <-> block hash 1
+    layout = h.sched.layout
+    assert store.data[layout.key(hashes[1].hex(), GDN, 0, 0)] == pages[3]
+    assert store.data[layout.key(hashes[0].hex(), ATTN, 0, 0)] == pages[5]
+    assert len(store.data) == 3  # one row: one page per entry
+
+
+def test_hit_must_end_at_a_stored_state(store: FakeStore) -> None:
+    h = harness()
+    _pages, entries = prefill_a(h)
+    assert h.sched.get_num_new_matched_tokens(Req("b", TOKENS, block_size=8), 0) == (16, True)
+    state_key = h.sched.layout.key(entries[2][2], GDN, 0, 0)
+    state = store.data.pop(state_key)
+    # attention blocks alone are not a hybrid hit: no state at 8 or 16
+    assert h.sched.get_num_new_matched_tokens(Req("c", TOKENS, block_size=8), 0) == (0, False)
+    store.data[state_key] = state
+    del store.data[h.sched.layout.key(entries[1][2], ATTN, 0, 0)]
+    assert h.sched.get_num_new_matched_tokens(Req("d", TOKENS, block_size=8), 0) == (0, False)
+
+
+def test_async_load_puts_state_where_vllm_reads_it_and_never_redumps(store: FakeStore) -> None:
+    h = harness()
+    pages, _entries = prefill_a(h)
+    b = Req("b", TOKENS, block_size=8)
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (16, True)
+    tables = {"b": ([0, 9, 8], [10, 11, 12])}
+    h.sched.update_state_after_alloc(b, blocks(*tables["b"]), 16)
+    md = h.step(so())
+    # state after token 16 -> GDN block index (16 - 1) // 8 = 1 -> block id 9
+    h0, h1 = (x.hex() for x in b.block_hashes)
+    assert md.loads[0].entries == [(ATTN, (10,), h0), (ATTN, (11,), h1), (GDN, (9,), h1)]
+    deadline = time.monotonic() + WAIT_S
+    while "b" not in {r for s in h.recved for r in s} and time.monotonic() < deadline:
+        h.step(so())
+    assert not any(h.failed_recv)
+    assert (h.page(0, 9), h.page(0, 10), h.page(0, 11)) == (pages[3], pages[5], pages[6])
+    # vLLM caches the loaded state and offers it again: it is not dumped again
+    md = h.step(
+        so(
+            [new_req("b", tables["b"], 16)],
+            scheduled={"b": 1},
+            block_state=block_state(tables, {"b": [(GDN, 9, 16)]}),
+        )
+    )
+    assert md.dumps == {}
+
+
+def test_state_without_destination_fails_the_load(store: FakeStore) -> None:
+    h = harness()
+    prefill_a(h)
+    b = Req("b", TOKENS, block_size=8)
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (16, True)
+    h.sched.update_state_after_alloc(b, blocks([0, 0, 8], [10, 11, 12]), 16)  # null state
+    h.step(so())
+    deadline = time.monotonic() + WAIT_S
+    while "b" not in {r for s in h.recved for r in s} and time.monotonic() < deadline:
+        h.step(so())
+    assert {r for s in h.failed_recv for r in s} == {"b"}  # recomputed, never garbage

@@ -1,0 +1,217 @@
+"""UCMPatchConnector end to end on real vLLM CPU 0.32 (tiny Qwen3, single-process mode).
+
+One vLLM process per scenario, several assertions per process (each start costs ~20 s):
+
+* ``local_run``: request 1 computes and dumps; after vLLM's own prefix cache is reset,
+  request 2 (same prefix) loads layerwise from the local store and its tokens and
+  logprobs equal a recomputation (same prompt, other ``cache_salt``: a miss) and a run
+  without any connector; loaded blocks are not dumped again; corrupted values fail
+  their checksum at load time, vLLM recomputes (same output) and the blocks are stored
+  again; nothing leaks (all maps empty, every block free).
+* ``restart_run``: a new process on the same directory hits the cache, with our connector
+  as a child of vLLM's ``MultiConnector`` next to ``ExampleConnector`` (a non-HMA sibling:
+  the seed-000 ``request_finished`` path); its delayed frees are all reported and freed.
+* ``plain_run``: the same prompts without a connector (the reference outputs).
+* ``multiprocess_run``: ``vllm serve``'s process layout (API, engine core and worker
+  processes; float32, as bf16 faults in spawned CPU workers here): the connector is found
+  by its registered name in every process, metadata and worker reports cross process
+  boundaries, and the hit equals a recomputation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.connector_child import prompt, run_child
+
+BLOCK = 128  # vLLM CPU block size for the tiny Qwen3
+PREFIX = prompt(1, 300)  # two full blocks (256 tokens) + a partial one
+R1 = [*PREFIX, 5, 6, 7]
+R2 = [*PREFIX, 8, 9, 10, 11]
+R3 = [*PREFIX, 12, 13]
+R4 = prompt(2, 270)  # a new prompt: two more blocks to dump in the restarted process
+
+pytestmark = pytest.mark.vllm
+
+
+def gen(name: str, ids: list[int], salt: str | None = None) -> dict[str, Any]:
+    return {"op": "gen", "name": name, "prompt": ids, "salt": salt}
+
+
+FLUSH = {"op": "flush"}
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ucm_e2e") / "store"
+
+
+@pytest.fixture(scope="module")
+def local_run(tiny_qwen3: Path, store_dir: Path) -> dict[str, Any]:
+    spec = {
+        "model": str(tiny_qwen3),
+        "extra": {"store": "local", "local_path": str(store_dir)},
+        "steps": [
+            gen("r1", R1),
+            {"op": "flush", "name": "flush1"},
+            gen("r2", R2),
+            gen("r2_recomputed", R2, salt="recompute-r2"),
+            FLUSH,
+            {"op": "corrupt", "name": "corrupt", "count": 1000},
+            gen("r3", R3),
+            gen("r3_recomputed", R3, salt="recompute-r3"),
+            FLUSH,
+            gen("r2_again", R2),
+            {"op": "flush", "name": "flush_last"},
+            {"op": "sizes", "name": "sizes"},
+        ],
+    }
+    return run_child(spec, store_dir.parent, "local")
+
+
+@pytest.fixture(scope="module")
+def plain_run(tiny_qwen3: Path, store_dir: Path) -> dict[str, Any]:
+    spec = {"model": str(tiny_qwen3), "extra": None, "steps": [gen("r2", R2), gen("r3", R3)]}
+    return run_child(spec, store_dir.parent, "plain")
+
+
+@pytest.fixture(scope="module")
+def restart_run(tiny_qwen3: Path, store_dir: Path, local_run: dict[str, Any]) -> dict[str, Any]:
+    spec = {
+        "model": str(tiny_qwen3),
+        "extra": {"store": "local", "local_path": str(store_dir)},
+        "multi": True,
+        "example_dir": str(store_dir.parent / "example"),
+        "steps": [
+            gen("r2", R2),
+            FLUSH,
+            gen("r4", R4),
+            {"op": "flush", "name": "flush_last"},
+            {"op": "sizes", "name": "sizes"},
+        ],
+    }
+    (store_dir.parent / "example").mkdir(exist_ok=True)
+    return run_child(spec, store_dir.parent, "restart")
+
+
+def same_output(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["tokens"] == b["tokens"]
+    assert a["logprobs"] == b["logprobs"]
+
+
+def delta(run: dict[str, Any], before: str, after: str, key: str) -> int:
+    return run[after]["stats"][key] - run[before]["stats"][key]
+
+
+def test_request1_dumps_its_full_blocks(local_run: dict[str, Any]) -> None:
+    r1 = local_run["r1"]["stats"]
+    assert r1["hit_tokens"] == 0
+    assert r1["dump_blocks"] == len(R1) // BLOCK == 2
+    assert r1["dumps_completed"] >= 2  # one dump task per storage row (2 layers)
+    assert r1["dumps_failed"] == r1["dumps_skipped"] == 0
+    assert local_run["flush1"]["reset"], "vLLM's prefix cache could not be reset: blocks leaked"
+
+
+def test_request2_loads_prefix_layerwise_and_matches_recompute(
+    local_run: dict[str, Any], plain_run: dict[str, Any]
+) -> None:
+    r2 = local_run["r2"]
+    assert r2["num_cached_tokens"] == 2 * BLOCK
+    assert delta(local_run, "r1", "r2", "hit_tokens") == 2 * BLOCK
+    # Loaded row by row inside the forward, waited for in wait_for_layer_load (both rows).
+    assert delta(local_run, "r1", "r2", "loads_layerwise") == 1
+    assert delta(local_run, "r1", "r2", "rows_waited_in_layer") == 2
+    assert delta(local_run, "r1", "r2", "loaded_pages") == 2 * 2
+    # Loaded blocks are never dumped again.
+    assert delta(local_run, "r1", "r2", "dump_blocks") == 0
+    recomputed = local_run["r2_recomputed"]
+    assert recomputed["num_cached_tokens"] == 0
+    assert delta(local_run, "r2", "r2_recomputed", "hit_tokens") == 0
+    same_output(r2, recomputed)
+    same_output(r2, plain_run["r2"])
+
+
+def test_corrupt_values_fail_the_load_and_vllm_recomputes(
+    local_run: dict[str, Any], plain_run: dict[str, Any]
+) -> None:
+    assert local_run["corrupt"]["corrupted"], "nothing was stored to corrupt"
+    assert delta(local_run, "r2_recomputed", "r3", "load_errors") >= 1
+    assert delta(local_run, "r2_recomputed", "r3", "load_failed_requests") == 1
+    assert local_run["r3_recomputed"]["num_cached_tokens"] == 0
+    same_output(local_run["r3"], local_run["r3_recomputed"])
+    same_output(local_run["r3"], plain_run["r3"])
+    # The recomputed blocks were dumped again, so the prefix hits once more.
+    assert delta(local_run, "r3_recomputed", "r2_again", "hit_tokens") == 2 * BLOCK
+    same_output(local_run["r2_again"], plain_run["r2"])
+
+
+def test_nothing_leaks(local_run: dict[str, Any]) -> None:
+    assert local_run["flush_last"]["reset"]
+    sizes = local_run["sizes"]
+    assert sizes["scheduler_requests"] == 0
+    assert sizes["free_blocks"] == sizes["total_blocks"] - 1  # all but the null block
+    assert set(sizes["connector_scheduler"].values()) == {0}
+    dump = sizes["dump_scheduler"]
+    assert dump["requests"] == dump["ready"] == dump["batches"] == dump["slots_in_use"] == 0
+    assert dump["live_owned_handles"] == dump["live_borrowed_handles"] == 0
+    final = local_run["final_stats"]
+    assert final["pinned_blocks"] == final["unpinned_blocks"] > 0
+    assert final["delayed_frees"] == final["finished_sending"] > 0
+
+
+def test_new_process_hits_through_multiconnector(
+    restart_run: dict[str, Any], plain_run: dict[str, Any]
+) -> None:
+    r2 = restart_run["r2"]
+    assert r2["num_cached_tokens"] == 2 * BLOCK
+    assert r2["stats"]["hit_tokens"] == 2 * BLOCK
+    # First load of a fresh process: no layer has shown its hook yet -> loaded in full
+    # in start_load_kv (never waited for by a hook that might not fire).
+    assert r2["stats"]["loads_sync_fallback"] == 1
+    same_output(r2, plain_run["r2"])
+
+
+def test_multiconnector_counts_delayed_frees(restart_run: dict[str, Any]) -> None:
+    r4 = restart_run["r4"]["stats"]
+    assert r4["dump_blocks"] == 2
+    final = restart_run["final_stats"]
+    # Every request our child delayed was reported finished_sending exactly once, and
+    # MultiConnector freed it: no request left in the scheduler, every block free.
+    assert final["delayed_frees"] == final["finished_sending"] == 1
+    assert restart_run["flush_last"]["reset"]
+    sizes = restart_run["sizes"]
+    assert sizes["scheduler_requests"] == 0
+    assert sizes["free_blocks"] == sizes["total_blocks"] - 1
+    assert set(sizes["connector_scheduler"].values()) == {0}
+
+
+@pytest.fixture(scope="module")
+def multiprocess_run(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("ucm_mp")
+    spec = {
+        "model": str(tiny_qwen3),
+        "dtype": "float32",
+        "multiprocess": True,
+        "extra": {"store": "local", "local_path": str(tmp / "store")},
+        "steps": [
+            gen("r1", R1),
+            {"op": "flush", "name": "flush1"},
+            gen("r2", R2),
+            gen("r2_recomputed", R2, salt="recompute-r2"),
+            {"op": "flush", "name": "flush2"},
+        ],
+    }
+    return run_child(spec, tmp, "multiprocess")
+
+
+def test_multiprocess_layout_hits_and_releases_blocks(multiprocess_run: dict[str, Any]) -> None:
+    # reset_prefix_cache succeeds only once no block is held: delayed frees and pins were
+    # reported back from the worker process and released by the engine-core process.
+    assert multiprocess_run["flush1"]["reset"]
+    assert multiprocess_run["r2"]["num_cached_tokens"] == 2 * BLOCK
+    assert multiprocess_run["r2_recomputed"]["num_cached_tokens"] == 0
+    same_output(multiprocess_run["r2"], multiprocess_run["r2_recomputed"])
+    assert multiprocess_run["flush2"]["reset"]

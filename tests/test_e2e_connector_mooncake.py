@@ -1,0 +1,69 @@
+"""UCMPatchConnector on the Mooncake store, end to end on real vLLM CPU 0.32.
+
+The whole vLLM process runs inside a private network namespace next to a Mooncake master
+and storage node on loopback (``scripts/mooncake_netns.sh``: Mooncake clients listen on
+0.0.0.0 whatever they are told, so nothing may run on the host network); the script stops
+master and node afterwards. Request 1 dumps into Mooncake; after vLLM's own prefix cache is
+reset, request 2 loads the shared prefix from Mooncake and equals a recomputation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.connector_child import prompt, run_child
+
+BLOCK = 128
+PREFIX = prompt(1, 300)
+R1 = [*PREFIX, 5, 6, 7]
+R2 = [*PREFIX, 8, 9, 10, 11]
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+
+@pytest.fixture(scope="module")
+def mooncake_run(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("ucm_mooncake")
+    spec = {
+        "model": str(tiny_qwen3),
+        "extra": {
+            "store": "mooncake",
+            "mooncake_master": "$MOONCAKE_MASTER",
+            "mooncake_global_segment_bytes": 0,  # the namespace's storage node holds data
+        },
+        "steps": [
+            {"op": "gen", "name": "r1", "prompt": R1},
+            {"op": "flush", "name": "flush1"},
+            {"op": "gen", "name": "r2", "prompt": R2},
+            {"op": "gen", "name": "r2_recomputed", "prompt": R2, "salt": "recompute"},
+            {"op": "flush", "name": "flush2"},
+            {"op": "sizes", "name": "sizes"},
+        ],
+    }
+    return run_child(spec, tmp, "mooncake", netns=True)
+
+
+def test_mooncake_request2_hits_and_matches_recompute(mooncake_run: dict[str, Any]) -> None:
+    r1 = mooncake_run["r1"]["stats"]
+    assert r1["dump_blocks"] == 2
+    assert r1["dumps_failed"] == r1["dumps_skipped"] == 0
+    r2 = mooncake_run["r2"]
+    assert r2["num_cached_tokens"] == 2 * BLOCK
+    assert r2["stats"]["hit_tokens"] == 2 * BLOCK
+    assert r2["stats"]["loaded_pages"] == 4
+    assert r2["stats"]["load_errors"] == 0
+    recomputed = mooncake_run["r2_recomputed"]
+    assert recomputed["num_cached_tokens"] == 0
+    assert r2["tokens"] == recomputed["tokens"]
+    assert r2["logprobs"] == recomputed["logprobs"]
+
+
+def test_mooncake_run_leaks_nothing(mooncake_run: dict[str, Any]) -> None:
+    assert mooncake_run["flush2"]["reset"]
+    sizes = mooncake_run["sizes"]
+    assert sizes["scheduler_requests"] == 0
+    assert sizes["free_blocks"] == sizes["total_blocks"] - 1
+    assert set(sizes["connector_scheduler"].values()) == {0}
