@@ -95,6 +95,7 @@ def _registry_applied(record: Any, module_name: str, qualname: str, obj: Any) ->
         why=record.why,
         upstream=record.upstream,
         removal=record.removal,
+        skip_when=record.skip_when,
     )
     reg = Registry([rec])
     reg.activate(patches={rec.name: True}, env={})
