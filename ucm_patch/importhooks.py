@@ -16,7 +16,9 @@ import lock may be waiting to register a hook: holding both in opposite orders d
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -28,12 +30,40 @@ Hook = Callable[[ModuleType], None]
 
 _lock = threading.RLock()
 _hooks: dict[str, list[Hook]] = {}
+
+
+def _reset_lock_in_child() -> None:
+    """A fork can happen while another thread holds ``_lock``; the child must not inherit
+    a lock owned by a thread that does not exist there."""
+    global _lock
+    _lock = threading.RLock()
+
+
+os.register_at_fork(
+    before=lambda: _lock.acquire(),
+    after_in_parent=lambda: _lock.release(),
+    after_in_child=_reset_lock_in_child,
+)
 _searching = threading.local()  # names this thread is resolving through find_spec
 _finder: _PostImportFinder | None = None
 
 
+def wait_until_imported(name: str) -> None:
+    """If another thread is importing ``name`` right now, wait until it has finished.
+
+    A module is in ``sys.modules`` *while* it executes; patching it then would find its
+    attributes missing. ``import_module`` takes the module's import lock: it blocks while
+    another thread initialises the module and returns at once in that thread itself.
+    """
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    if spec is not None and getattr(spec, "_initializing", False):
+        importlib.import_module(name)
+
+
 def when_imported(name: str, hook: Hook) -> None:
     """Call ``hook(module)`` once ``name`` is imported; at once if it already is."""
+    wait_until_imported(name)
     with _lock:
         module = sys.modules.get(name)
         if module is None:

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import enum
 import importlib
+import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
@@ -134,6 +136,7 @@ class Registry:
 
     def __init__(self, records: Iterable[PatchRecord]) -> None:
         self._lock = threading.RLock()
+        _fork_safe(self)
         self._status: dict[str, RecordStatus] = {}
         for rec in records:
             if rec.id in self._status:
@@ -255,6 +258,7 @@ class Registry:
     def _hook(self, st: RecordStatus) -> None:
         """Apply now if the target module is imported, else register a post-import hook."""
         rid = st.record.id
+        importhooks.wait_until_imported(st.record.module)  # never patch a half-run module
         with self._lock:
             module = sys.modules.get(st.record.module)
             register = module is None and not st.hooked
@@ -340,6 +344,34 @@ class Registry:
 
 
 # -- helpers -------------------------------------------------------------------------------
+def _fork_safe(registry: Registry) -> None:
+    """Hold the registry lock across fork(): the child gets a fresh, unowned lock.
+
+    Without this a fork while another thread holds the lock (report(), activate()) leaves
+    the child's lock owned by a thread that does not exist there: its next call hangs.
+    """
+    ref = weakref.ref(registry)
+
+    def before() -> None:
+        reg = ref()
+        if reg is not None:
+            reg._lock.acquire()
+
+    def after_in_parent() -> None:
+        reg = ref()
+        if reg is not None:
+            reg._lock.release()
+
+    def after_in_child() -> None:
+        reg = ref()
+        if reg is not None:
+            reg._lock = threading.RLock()
+
+    os.register_at_fork(
+        before=before, after_in_parent=after_in_parent, after_in_child=after_in_child
+    )
+
+
 def _gate(record: PatchRecord, versions: VersionCache) -> tuple[dict[str, str], str | None]:
     """(installed versions shown in the report, reason to skip or None)."""
     shown: dict[str, str] = {}
