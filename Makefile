@@ -53,6 +53,7 @@ demo: $(STAMP) models
 	$(PY) scripts/demo.py
 
 bench: $(STAMP) models
+	$(PIP) install -q -e ".[bench]" $(QUIET)
 	$(PY) scripts/bench_all.py
 
 clean:
