@@ -114,7 +114,12 @@ def load_json(name: str) -> Any:
 # plots (one per benchmark)
 # ======================================================================================
 def _plt() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise SystemExit(
+            "bench_all: matplotlib is needed for the plots: .venv/bin/pip install -e '.[bench]'"
+        ) from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -389,6 +394,34 @@ def render_doc(data: dict[str, Any], runs: dict[str, Any], meta: dict[str, Any])
     return "\n".join(lines)
 
 
+def idle_call_ns(hooks: list[dict[str, Any]] | None) -> float | None:
+    """Added ns of the registry-applied CPU-op wrapper with no connector (bench_hooks)."""
+    for r in hooks or ():
+        if r["case"] == "no connector" and r["path"] == "cpu op" and r["applied_as"] == "registry":
+            return float(r["added_ns"])
+    return None
+
+
+def step_bound(r: dict[str, Any], hooks: list[dict[str, Any]] | None) -> float | None:
+    """1 + (wrapped calls per generate x idle cost per call) / time per generate."""
+    ns = idle_call_ns(hooks)
+    calls = r.get("wrapped_calls_per_generate")
+    if ns is None or calls is None:
+        return None
+    return 1.0 + calls * ns / (r["off_ms_median"] * 1e6)
+
+
+def step_verdict(r: dict[str, Any], bound: float | None) -> str:
+    lo, hi = r["ratio_ci95"]
+    if hi <= 1.01:
+        return "met"
+    if lo > 1.01:
+        return "**missed**"
+    if bound is not None and bound <= 1.01:
+        return "met by the per-call bound; end to end inconclusive (noise > 1 %)"
+    return "inconclusive (noise > 1 %)"
+
+
 def summary_table(data: dict[str, Any]) -> list[str]:
     rows: list[tuple[str, str, str, str]] = []
     core, hooks, dump = data.get("core"), data.get("hooks"), data.get("dump_hook")
@@ -452,12 +485,14 @@ def summary_table(data: dict[str, Any]) -> list[str]:
     if step:
         for r in step["results"].values():
             lo, hi = r["ratio_ci95"]
+            bound = step_bound(r, hooks)
             rows.append(
                 (
                     f"step overhead, {r['model']}",
                     "ratio <= 1.01",
-                    f"{r['ratio']:.4f} (95% CI {lo:.3f}-{hi:.3f})",
-                    _verdict(r["met"]) + ("" if r["confident"] or not r["met"] else " (CI wider)"),
+                    f"{r['ratio']:.4f} (95% CI {lo:.3f}-{hi:.3f}); per-call bound "
+                    + _fmt(bound, ".5f"),
+                    step_verdict(r, bound),
                 )
             )
     ov = data.get("overlap")
@@ -597,7 +632,15 @@ def section_hooks(data: dict[str, Any]) -> list[str]:
             "for the device at those moments.",
             "",
         ]
-    lines += ["![hook overhead](img/hooks.png)", "", "![core](img/core.png)", ""]
+    if hooks or dump:
+        lines += ["![hook overhead](img/hooks.png)", ""]
+    if core:
+        lines += ["![core](img/core.png)", ""]
+    else:
+        lines += [
+            "`bench_core.py` (import and apply cost) did not produce results in this run.",
+            "",
+        ]
     return lines
 
 
@@ -621,9 +664,12 @@ def section_step(data: dict[str, Any]) -> list[str]:
                 "records applied (on)",
                 "off, ms/generate",
                 "on, ms/generate",
-                "ratio",
+                "ratio of medians",
                 "95 % CI",
+                "ratio of minima",
                 "per-pair ratios",
+                "wrapped calls / generate",
+                "per-call bound",
                 "target <= 1.01",
             ),
             [
@@ -634,12 +680,21 @@ def section_step(data: dict[str, Any]) -> list[str]:
                     f"{r['on_ms_median']:.1f}",
                     f"{r['ratio']:.4f}",
                     f"{r['ratio_ci95'][0]:.3f} - {r['ratio_ci95'][1]:.3f}",
+                    _fmt(r.get("ratio_min"), ".4f"),
                     ", ".join(f"{x:.3f}" for x in r["pair_ratios"]),
-                    _verdict(r["met"]),
+                    r.get("wrapped_calls_per_generate", "n/a"),
+                    _fmt(step_bound(r, data.get("hooks")), ".5f"),
+                    step_verdict(r, step_bound(r, data.get("hooks"))),
                 )
                 for r in d["results"].values()
             ],
         ),
+        "",
+        "Per-call bound = 1 + (wrapped layer calls per `generate`) x (idle cost of one",
+        "registry-applied op-kernel wrapper, section 1) / (time per `generate` without",
+        "ucm_patch): what ucm_patch's wrappers can add when no connector is configured, from",
+        "two figures that are each measured precisely. The end-to-end ratio checks it, within",
+        "the noise of whole vLLM processes on this machine.",
         "",
     ]
     wide = [r for r in d["results"].values() if r["ratio_ci95"][1] - r["ratio_ci95"][0] > 0.02]
@@ -893,6 +948,8 @@ def render_all(data: dict[str, Any]) -> list[str]:
     for name, job in jobs:
         job()
         made.append(name)
+    for stale in {"core", "hooks", "step", "overlap", "ttft", "stores"} - set(made):
+        (IMG / f"{stale}.png").unlink(missing_ok=True)  # never show a plot of an older run
     return made
 
 

@@ -152,6 +152,13 @@ def bench_model(key: str, args: argparse.Namespace) -> dict[str, Any]:
         )
     ratio = statistics.median(on) / statistics.median(off)
     lo, hi = bc.ratio_ci(on, off)
+    cfg_json = json.loads((model / "config.json").read_text())
+    types = cfg_json.get("layer_types") or []
+    wrapped_layers = (
+        sum(t == "linear_attention" for t in types)
+        if key == "next"
+        else cfg_json["num_hidden_layers"]
+    )
     steps = args.max_tokens  # one prefill step (all prompts fit) + max_tokens - 1 decodes
     return {
         "model": cfg["label"],
@@ -165,6 +172,10 @@ def bench_model(key: str, args: argparse.Namespace) -> dict[str, Any]:
         "step_ms_off": statistics.median(off) * 1e3 / steps,
         "ratio": ratio,
         "ratio_ci95": [lo, hi],
+        "ratio_min": min(on) / min(off),
+        # One wrapped call per wrapped layer per engine step; all prompts prefill in one
+        # step, then max_tokens - 1 decode steps.
+        "wrapped_calls_per_generate": wrapped_layers * steps,
         "pair_ratios": [p["ratio"] for p in pairs],
         "pairs": pairs,
         "off_times_ms": [x * 1e3 for x in off],
@@ -181,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return child(argv[1], argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="next,small", help="comma list of: next, small")
-    ap.add_argument("--pairs", type=int, default=3, help="off/on process pairs per model")
+    ap.add_argument("--pairs", type=int, default=4, help="off/on process pairs per model")
     ap.add_argument("--reps", type=int, default=6, help="timed generate calls per process")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
