@@ -258,16 +258,12 @@ class Registry:
     def _hook(self, st: RecordStatus) -> None:
         """Apply now if the target module is imported, else register a post-import hook."""
         rid = st.record.id
-        importhooks.wait_until_imported(st.record.module)  # never patch a half-run module
         with self._lock:
-            module = sys.modules.get(st.record.module)
-            register = module is None and not st.hooked
-            if register:
-                st.hooked = True
-        if module is not None:
-            self._on_import(rid, module)
-        elif register:
-            importhooks.when_imported(st.record.module, lambda m: self._on_import(rid, m))
+            if st.hooked:
+                return  # a hook is pending (or firing) for this activation
+            st.hooked = True
+        # when_imported fires at once if the module is imported, and never on a half-run one.
+        importhooks.when_imported(st.record.module, lambda m: self._on_import(rid, m))
 
     def _on_import(self, record_id: str, module: ModuleType) -> None:
         """Post-import hook body: never raises unless strict."""
