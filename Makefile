@@ -37,6 +37,7 @@ $(STAMP): setup.cfg pyproject.toml scripts/setup_system.sh
 # The builder is idempotent and rebuilds a model made by an older recipe.
 models: $(STAMP)
 	$(PY) scripts/make_tiny_model.py qwen3 $(MODELS)/tiny-qwen3
+	$(PY) scripts/make_tiny_model.py qwen3_sharp $(MODELS)/tiny-qwen3-sharp
 	$(PY) scripts/make_tiny_model.py qwen3_next $(MODELS)/tiny-qwen3-next
 
 lint: $(STAMP)

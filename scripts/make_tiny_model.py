@@ -1,7 +1,7 @@
 """Build tiny random models locally (no hub access) for tests, the demo and benchmarks.
 
 Usage: python scripts/make_tiny_model.py KIND OUTDIR [--layers N] [--hidden H] [--seed S]
-KIND: qwen3 | qwen3_next | qwen3_small (a larger Qwen3 for benchmarks).
+KIND: qwen3 | qwen3_sharp | qwen3_next | qwen3_small (a larger Qwen3 for benchmarks).
 
 Constraints found on vLLM CPU (see shared reference cpu-vllm.md): attention head size
 must be one the CPU backend supports (32 here); Qwen3-Next needs bf16 and linear-attention
@@ -10,6 +10,9 @@ head dims of 128. Qwen3-Next also needs ``tie_word_embeddings=False``: vLLM 0.32
 the checkpoint lacks ``lm_head.weight``, so a tied tiny model has a zero head and uniform
 logits (every logprob -ln(vocab)). ``initializer_range=0.2`` makes its outputs depend
 visibly on the GDN state (with 0.02 a missing state moves the logprobs by ~1e-5 only).
+``qwen3_sharp`` is the tiny Qwen3 with ``initializer_range=0.2`` for the same reason: the
+0.02 one repeats one token whatever the context, so wrong KV would not change its
+greedy output (the stress test compares greedy outputs).
 
 The tokenizer is a WordLevel model trained on a few sentences. Idempotent: a model
 directory built by the same recipe (``RECIPE``) is left as it is; an older one is rebuilt.
@@ -84,6 +87,9 @@ def build(kind: str, out: Path, layers: int | None, hidden: int | None, seed: in
             head_dim=64,
             vocab_size=1024,
         )
+    if kind == "qwen3_sharp":
+        model_type = "qwen3"
+        common.update(initializer_range=0.2)
     if kind == "qwen3_next":
         n = layers or 2
         extra = dict(
@@ -118,7 +124,7 @@ def built_by_this_recipe(out: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=["qwen3", "qwen3_next", "qwen3_small"])
+    ap.add_argument("kind", choices=["qwen3", "qwen3_sharp", "qwen3_next", "qwen3_small"])
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--hidden", type=int, default=None)

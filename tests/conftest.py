@@ -91,6 +91,12 @@ def tiny_qwen3() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_sharp() -> Path:
+    """Tiny random Qwen3 whose greedy tokens depend on the context (initializer 0.2)."""
+    return _tiny("qwen3_sharp", "tiny-qwen3-sharp")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_next() -> Path:
     """Tiny random Qwen3-Next (layer 0 GDN linear attention, layer 1 full attention)."""
     return _tiny("qwen3_next", "tiny-qwen3-next")

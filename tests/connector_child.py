@@ -20,6 +20,12 @@ returns the parsed output. A spec is ``{"model": path, "extra": kv_connector_ext
 * ``{"op": "corrupt", "count": n}``: flip a payload byte in ``n`` stored files (local
   store), so a later load fails its checksum;
 * ``{"op": "sizes"}``: record internal map sizes (connector sides, scheduler, block pool).
+* ``{"op": "stress", "requests": [{"id", "prompt", "max_tokens", "abort_at"}],
+  "inflight": n}``: drive the engine step by step (``LLMEngine.add_request`` / ``step``
+  / ``abort_request``) with up to ``n`` requests outstanding; a request whose
+  ``abort_at`` is not None is aborted once it has that many output tokens (0: right
+  after the step that follows its arrival, possibly still waiting). Records every
+  finished request's tokens, the aborted ids and how often vLLM preempted.
 """
 
 from __future__ import annotations
@@ -126,12 +132,13 @@ def _llm(spec: dict[str, Any]) -> Any:
     return LLM(
         model=spec["model"],
         dtype=spec.get("dtype", "bfloat16"),
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=MAX_MODEL_LEN,
-        max_num_seqs=4,
+        max_model_len=spec.get("max_model_len", MAX_MODEL_LEN),
+        max_num_batched_tokens=spec.get("max_model_len", MAX_MODEL_LEN),
+        max_num_seqs=spec.get("max_num_seqs", 4),
+        num_gpu_blocks_override=spec.get("num_blocks"),
         seed=0,
         enforce_eager=True,
-        enable_prefix_caching=True,
+        enable_prefix_caching=spec.get("prefix_caching", True),
         **kwargs,
     )
 
@@ -207,6 +214,60 @@ def _corrupt(spec: dict[str, Any], count: int) -> dict[str, Any]:
     return {"corrupted": done}
 
 
+def _stress(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    preempted: list[str] = []
+    original_preempt = sched._preempt_request
+
+    def counting_preempt(request: Any, *args: Any, **kwargs: Any) -> Any:
+        preempted.append(request.request_id)
+        return original_preempt(request, *args, **kwargs)
+
+    sched._preempt_request = counting_preempt  # instance attribute: the scheduler's own calls
+    todo = list(reversed(step["requests"]))
+    by_id = {r["id"]: r for r in step["requests"]}
+    outstanding: dict[str, int] = {}  # id -> output tokens seen so far
+    finished: dict[str, list[int]] = {}
+    aborted: list[str] = []
+    steps = 0
+    t0 = time.perf_counter()
+    while todo or outstanding:
+        while todo and len(outstanding) < step["inflight"]:
+            r = todo.pop()
+            params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+            engine.add_request(r["id"], {"prompt_token_ids": r["prompt"]}, params)
+            outstanding[r["id"]] = 0
+        for out in engine.step():
+            rid = out.request_id
+            if rid not in outstanding:
+                continue
+            outstanding[rid] = len(out.outputs[0].token_ids)
+            if out.finished:
+                finished[rid] = list(out.outputs[0].token_ids)
+                del outstanding[rid]
+        steps += 1
+        to_abort = [
+            rid
+            for rid, n in outstanding.items()
+            if by_id[rid]["abort_at"] is not None and n >= by_id[rid]["abort_at"]
+        ]
+        if to_abort:
+            engine.abort_request(to_abort)
+            aborted.extend(to_abort)
+            for rid in to_abort:
+                del outstanding[rid]
+    return {
+        "finished": finished,
+        "aborted": aborted,
+        "preempted": preempted,
+        "steps": steps,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
 def _sizes(llm: Any, connected: bool) -> dict[str, Any]:
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
@@ -226,7 +287,11 @@ def _sizes(llm: Any, connected: bool) -> dict[str, Any]:
             if type(c).__name__ == "UCMPatchConnector":
                 ours.append(c)
             conns.extend(getattr(c, "_connectors", ()))
+        from ucm_patch import connector
+
         out["connector_scheduler"] = ours[0]._sched_side.internal_sizes()
+        workers = connector.active_connectors()  # this process's worker side(s)
+        out["connector_worker"] = workers[0]._worker_side.internal_sizes() if workers else {}
         out["dump_scheduler"] = get_scheduler().internal_sizes()
     return out
 
@@ -261,6 +326,8 @@ def main(argv: list[str]) -> int:
             results[name] = _flush(llm, connected)
         elif op == "corrupt":
             results[name] = _corrupt(spec, step["count"])
+        elif op == "stress":
+            results[name] = _stress(llm, step)
         elif op == "sizes":
             results[name] = _sizes(llm, connected)
         else:

@@ -154,6 +154,7 @@ def test_nothing_leaks(local_run: dict[str, Any]) -> None:
     assert sizes["scheduler_requests"] == 0
     assert sizes["free_blocks"] == sizes["total_blocks"] - 1  # all but the null block
     assert set(sizes["connector_scheduler"].values()) == {0}
+    assert set(sizes["connector_worker"].values()) == {0}
     dump = sizes["dump_scheduler"]
     assert dump["requests"] == dump["ready"] == dump["batches"] == dump["slots_in_use"] == 0
     assert dump["live_owned_handles"] == dump["live_borrowed_handles"] == 0
@@ -186,6 +187,7 @@ def test_multiconnector_counts_delayed_frees(restart_run: dict[str, Any]) -> Non
     assert sizes["scheduler_requests"] == 0
     assert sizes["free_blocks"] == sizes["total_blocks"] - 1
     assert set(sizes["connector_scheduler"].values()) == {0}
+    assert set(sizes["connector_worker"].values()) == {0}
 
 
 @pytest.fixture(scope="module")

@@ -96,5 +96,6 @@ def test_hybrid_run_leaks_nothing(hybrid_run: dict[str, Any]) -> None:
     assert sizes["scheduler_requests"] == 0
     assert sizes["free_blocks"] == sizes["total_blocks"] - 1
     assert set(sizes["connector_scheduler"].values()) == {0}
+    assert set(sizes["connector_worker"].values()) == {0}
     final = hybrid_run["final_stats"]
     assert final["pinned_blocks"] == final["unpinned_blocks"] > 0

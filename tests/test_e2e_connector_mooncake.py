@@ -67,3 +67,4 @@ def test_mooncake_run_leaks_nothing(mooncake_run: dict[str, Any]) -> None:
     assert sizes["scheduler_requests"] == 0
     assert sizes["free_blocks"] == sizes["total_blocks"] - 1
     assert set(sizes["connector_scheduler"].values()) == {0}
+    assert set(sizes["connector_worker"].values()) == {0}

@@ -460,6 +460,19 @@ class WorkerSide:
         self._open_steps = keep
         return UCMWorkerMetadata(done) if done else None
 
+    def internal_sizes(self) -> dict[str, int]:
+        """Sizes of every per-request / per-step map (all 0 between steps once every
+        request finished and its dumps and loads were reported)."""
+        return {
+            "open_batch": int(self._batch is not None),
+            "open_steps": len(self._open_steps),
+            "load_requests": len(self._load_blocks),
+            "load_errors": len(self._load_errors),
+            "async_loads_queued": len(self._async_loads),
+            "async_loads_running": len(self._async),
+            "row_jobs": sum(len(jobs) for jobs in self._row_jobs),
+        }
+
     def shutdown(self) -> None:
         """Stop the load threads (the dump scheduler is per process: it stops at exit)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
