@@ -426,15 +426,16 @@ def summary_table(data: dict[str, Any]) -> list[str]:
     rows: list[tuple[str, str, str, str]] = []
     core, hooks, dump = data.get("core"), data.get("hooks"), data.get("dump_hook")
     if core:
-        total = core["start"]["added_ms"] + core["apply"]["apply_ms"]
-        rows.append(
-            (
-                "import + apply every record (G11)",
-                "<= 100 ms",
-                f"{total:.1f} ms",
-                _verdict(total <= 100),
-            )
-        )
+        added, apply_ms = core["start"]["added_ms"], core["apply"]["apply_ms"]
+        total = added + apply_ms
+        rows += [
+            ("`import ucm_patch` added to start (wheel, upper bound)", "< 30 ms",
+             f"{added:.1f} ms", _verdict(added < 30)),
+            ("apply every record after `import vllm`", "< 5 ms",
+             f"{apply_ms:.2f} ms", _verdict(apply_ms < 5)),
+            ("import + apply every record (G11)", "<= 100 ms",
+             f"{total:.1f} ms", _verdict(total <= 100)),
+        ]  # fmt: skip
     if hooks:
         idle = [r for r in hooks if r["case"] == "no connector" and r["applied_as"] == "registry"]
         nothing = [
@@ -555,20 +556,40 @@ def section_hooks(data: dict[str, Any]) -> list[str]:
     ]
     if core:
         s, a = core["start"], core["apply"]
+        warm_ms = core.get("apply_wrapt_imported", {}).get("apply_ms", float("nan"))
         lines += [
             bc.table(
                 ("measure", "value", "budget"),
                 [
                     (
-                        "`import ucm_patch` added to interpreter start",
+                        "`import ucm_patch` added to interpreter start (the installed wheel, "
+                        "byte-compiled, in `python -S`: every stdlib module it needs is "
+                        "counted, an upper bound)",
                         f"{s['added_ms']:.1f} ms",
                         "< 30 ms",
                     ),
+                    (
+                        "same, this development venv (editable install"
+                        + (
+                            ""
+                            if s.get("dev_venv_bytecode_cached", True)
+                            else "; `PYTHONDONTWRITEBYTECODE=1`: sources compiled on every import"
+                        )
+                        + ")",
+                        f"{s.get('dev_venv_added_ms', float('nan')):.1f} ms",
+                        "(information)",
+                    ),
                     ("heavy modules it imports", s["heavy_modules_imported"], "none"),
                     (
-                        f"apply {a['applied']} of {a['records']} records (targets imported)",
+                        f"apply {a['applied']} of {a['records']} records (targets imported; "
+                        "gating, wrapt's first import, wrapping)",
                         f"{a['apply_ms']:.2f} ms",
                         "< 5 ms",
+                    ),
+                    (
+                        "same, wrapt already imported",
+                        f"{warm_ms:.2f} ms",
+                        "(information)",
                     ),
                 ],
             ),

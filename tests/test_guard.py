@@ -93,3 +93,101 @@ def test_strict_mode_raises_at_call_time(target) -> None:
     with pytest.raises(PatchFailed, match="pre-call bug"):
         target.core(3)
     assert reg.report()[0]["state"] == "failed"
+
+
+class _Switch:
+    """A connector-state stand-in: ``agent`` None means idle."""
+
+    agent: object | None = None
+
+
+def _skipping_registry(skip_when) -> Registry:
+    def make_wrapper():
+        def wrapper(wrapped, instance, args, kwargs):
+            return wrapped(*args, **kwargs) + 100
+
+        return wrapper
+
+    rec = PatchRecord(
+        "skipping",
+        "t",
+        "ucm_guard_target:core",
+        {"wrapt": ">=1"},
+        make_wrapper,
+        skip_when=skip_when,
+        why="test record",
+        upstream="test only here",
+        removal="never at all",
+    )
+    return Registry([rec])
+
+
+def _plain_idle() -> bool:
+    return _Switch.agent is None
+
+
+def _fast_idle() -> bool:
+    return _Switch.agent is None
+
+
+# What layerwise.idle offers: a frame-free callable, truthy while active.
+_fast_idle.enabled_callable = lambda: lambda: _Switch.agent  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("skip_when", [_plain_idle, _fast_idle], ids=["predicate", "frame-free"])
+def test_skip_when_goes_straight_to_the_original_and_back(target, skip_when) -> None:
+    reg = _skipping_registry(skip_when)
+    reg.activate()
+    try:
+        _Switch.agent = None
+        assert target.core(3) == 6  # idle: the wrapper does not run
+        _Switch.agent = object()
+        assert target.core(3) == 106  # active: it does
+        _Switch.agent = None
+        assert target.core(4) == 8
+        assert SIDE_EFFECTS == [3, 3, 4]  # the original ran once per call on both paths
+        assert reg.report()[0]["state"] == "applied"
+    finally:
+        _Switch.agent = None
+        reg.revert()
+
+
+def test_skip_when_on_a_method_binds_the_instance(target) -> None:
+    class Layer:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def core(self, x: int) -> int:
+            return x * self.k
+
+    target.Layer = Layer
+
+    def make_wrapper():
+        def wrapper(wrapped, instance, args, kwargs):
+            assert isinstance(instance, Layer)
+            return wrapped(*args, **kwargs) + 100
+
+        return wrapper
+
+    rec = PatchRecord(
+        "skipping_method",
+        "t",
+        "ucm_guard_target:Layer.core",
+        {"wrapt": ">=1"},
+        make_wrapper,
+        skip_when=_fast_idle,
+        why="test record",
+        upstream="test only here",
+        removal="never at all",
+    )
+    reg = Registry([rec])
+    reg.activate()
+    try:
+        layer = Layer(3)
+        assert layer.core(2) == 6
+        _Switch.agent = object()
+        assert layer.core(2) == 106 and Layer.core(layer, x=2) == 106
+        assert reg.report()[0]["state"] == "applied"
+    finally:
+        _Switch.agent = None
+        reg.revert()

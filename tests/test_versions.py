@@ -75,8 +75,46 @@ def test_cache_reads_each_distribution_once(monkeypatch: pytest.MonkeyPatch) -> 
 
     seen: list[str] = []
     real = versions.installed
-    monkeypatch.setattr(versions, "installed", lambda d: seen.append(d) or real(d))
+    monkeypatch.setattr(versions, "installed", lambda d, *a: seen.append(d) or real(d, *a))
     cache = VersionCache()
     cache.get("vllm")
     cache.get("vllm")
     assert seen == ["vllm"]
+
+
+def test_metadata_index_agrees_with_importlib_metadata() -> None:
+    """The fast directory index finds every installed distribution at the version
+    ``importlib.metadata`` reports (the first one along sys.path, like it)."""
+    from importlib import metadata
+
+    import ucm_patch.versions as versions
+
+    index = versions._metadata_dirs()
+    assert index is not None
+    names = {d.metadata["Name"] for d in metadata.distributions()}
+    assert len(names) > 50  # vLLM's dependency tree
+    wrong = {
+        name: (metadata.version(name), versions._version_of(index[key]) if key in index else None)
+        for name in names
+        if (key := versions._normalise_name(name)) not in index
+        or versions._version_of(index[key]) != metadata.version(name)
+    }
+    assert wrong == {}
+
+
+def test_zip_on_sys_path_falls_back_to_importlib_metadata(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    import sys
+    import zipfile
+
+    import ucm_patch.versions as versions
+
+    archive = tmp_path / "deps.zip"  # type: ignore[operator]
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("fakedist-1.2.3.dist-info/METADATA", "Name: fakedist\nVersion: 1.2.3\n\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(archive)])
+    assert versions._metadata_dirs() is None
+    found = installed("fakedist")
+    assert found is not None and found.raw == "1.2.3" and found.source == "fakedist"
+    assert installed("vllm") is not None  # still found through importlib.metadata

@@ -11,10 +11,13 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from ucm_patch.registry import Registry
 from ucm_patch.toggles import env_flag
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
+if TYPE_CHECKING:
+    from typing import Any
 
 _lock = threading.Lock()
 _registry: Registry | None = None

@@ -28,7 +28,6 @@ Guarantees (each has a test in tests/test_registry_*.py):
 
 from __future__ import annotations
 
-import enum
 import importlib
 import os
 import sys
@@ -37,28 +36,31 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
-from typing import Any
 
 from ucm_patch import guard, importhooks
 from ucm_patch.errors import PatchFailed
-from ucm_patch.records import Kind, PatchRecord
+from ucm_patch.records import Kind, PatchRecord, Tag
 from ucm_patch.toggles import ToggleResolver
 from ucm_patch.versions import InstalledVersion, VersionCache
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
+if TYPE_CHECKING:
+    from typing import Any
 
 MARKER = "_self_ucm_patch_id"  # wrapt keeps `_self_*` attributes on the proxy itself
 
 
-class State(enum.StrEnum):
-    APPLIED = "applied"
-    WAITING = "waiting-for-import"
-    APPLYING = "applying"  # transient: a hook is applying it right now
-    SKIPPED_VERSION = "skipped-version"
-    DISABLED = "disabled"
-    TARGET_MISSING = "target-missing"
-    FAILED = "failed"
-    REVERTED = "reverted"
-    REVERT_REFUSED = "revert-refused"
-    INACTIVE = "inactive"  # known, never activated in this process
+class State:
+    APPLIED = Tag("applied")
+    WAITING = Tag("waiting-for-import")
+    APPLYING = Tag("applying")  # transient: a hook is applying it right now
+    SKIPPED_VERSION = Tag("skipped-version")
+    DISABLED = Tag("disabled")
+    TARGET_MISSING = Tag("target-missing")
+    FAILED = Tag("failed")
+    REVERTED = Tag("reverted")
+    REVERT_REFUSED = Tag("revert-refused")
+    INACTIVE = Tag("inactive")  # known, never activated in this process
 
 
 class _Applied:
@@ -459,15 +461,17 @@ def _apply(
         return None, f"{record.target} already carries this patch; not wrapped twice"
     owned = not isinstance(parent, type) or attribute in vars(parent)
     patch_wrapper = record.make_wrapper()
+    enabled = None
     if guard.guardable(original):
         cell = guard.CallCell()
-        target = guard.make_shim(original, cell)
-        patch_wrapper = guard.make_guard(
-            patch_wrapper, cell, original, on_call_failure, strict, record.skip_when
-        )
+        patch_wrapper = guard.make_guard(patch_wrapper, cell, original, on_call_failure, strict)
+        enabled = guard.make_enabled(cell, record.skip_when)
     else:
-        cell, target = None, original
-    wrapper = wrapt.FunctionWrapper(target, patch_wrapper)
+        cell = None
+        skip = record.skip_when
+        if skip is not None:
+            enabled = lambda: not skip()  # noqa: E731
+    wrapper = wrapt.FunctionWrapper(original, patch_wrapper, enabled=enabled)
     setattr(wrapper, MARKER, record.id)
     library = None
     if record.kind is Kind.OP_KERNEL:

@@ -23,11 +23,16 @@ layerwise transfer (as for every layer; targets.md gotcha 4).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks
-from ucm_patch.records import PatchRecord, PatchSet, Wrapper
+from ucm_patch.records import PatchRecord, PatchSet
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ucm_patch.records import Wrapper
 
 NAME = "mla_bypass"
 

@@ -24,7 +24,9 @@ turns the event into a non-zero integer. ``query_before_sync`` is printed for in
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def event_class() -> Any:
