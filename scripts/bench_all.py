@@ -437,38 +437,19 @@ def summary_table(data: dict[str, Any]) -> list[str]:
              f"{total:.1f} ms", _verdict(total <= 100)),
         ]  # fmt: skip
     if hooks:
-        idle = [r for r in hooks if r["case"] == "no connector" and r["applied_as"] == "registry"]
-        nothing = [
-            r
-            for r in hooks
-            if r["case"] == "connector, nothing to dump" and r["applied_as"] == "registry"
-        ]
-        if idle:
-            worst = max(r["added_ns"] for r in idle)
+        # Per path (cpu op: what runs on vLLM CPU; method: the CUDA/ROCm GDN entry points),
+        # against issue 3's budget and the design's stricter G1.
+        budgets = {"no connector": 1000, "connector, nothing to dump": 2000}
+        for r in hooks:
+            if r["applied_as"] != "registry":
+                continue
+            added, budget = r["added_ns"], budgets[r["case"]]
             rows.append(
                 (
-                    "hook, ucm_patch idle, registry-applied (G1)",
-                    "<= +150 ns per call",
-                    f"+{worst:.0f} ns",
-                    _verdict(worst <= 150),
-                )
-            )
-            rows.append(
-                (
-                    "same, per step of 48 layers (G1)",
-                    "<= 10 us",
-                    f"{48 * worst / 1000:.1f} us",
-                    _verdict(48 * worst <= 10_000),
-                )
-            )
-        if nothing:
-            worst = max(r["added_ns"] for r in nothing)
-            rows.append(
-                (
-                    "hook, connector with nothing to dump (G1)",
-                    "<= +150 ns per call",
-                    f"+{worst:.0f} ns",
-                    _verdict(worst <= 150),
+                    f"hook, {r['case']}, {r['path']} (issue 3 / G1)",
+                    f"< +{budget} ns / <= +150 ns per call",
+                    f"+{added:.0f} ns ({48 * added / 1000:.1f} us per 48-layer step)",
+                    f"{_verdict(added < budget)} / {_verdict(added <= 150)}",
                 )
             )
     if dump:
@@ -620,6 +601,17 @@ def section_hooks(data: dict[str, Any]) -> list[str]:
                     for r in hooks
                 ],
             ),
+            "",
+            "How to read it: `closure` is the wrapper body alone; `wrapt` adds wrapt's C",
+            "`FunctionWrapper` call, which on this VM costs more than the body itself; `registry`",
+            "is production. With no connector, wrapt's `enabled` check (for the GDN records a",
+            "frame-free `functools.partial(getattr, kv_transfer_state, '_KV_CONNECTOR_AGENT')`)",
+            "sends the call to the original before any Python frame runs: that is why the cpu-op",
+            "`registry` row sits below its `wrapt` row. A method target still pays wrapt's bound",
+            "wrapper per attribute access. With a connector active the registry adds the guard",
+            "and its shim (call-time isolation) on top of wrapt. Timings on this VM swing by up",
+            "to 2x between runs of the same code (cpu op idle 176-331 ns, method idle",
+            "958-1914 ns in four runs within 15 minutes), so compare rows of one run only.",
             "",
         ]
     if dump:
