@@ -12,10 +12,14 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from tests.fakes_store import FakeStore
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_RECIPE = 2  # scripts/make_tiny_model.py RECIPE
@@ -100,3 +104,24 @@ def tiny_qwen3_sharp() -> Path:
 def tiny_qwen3_next() -> Path:
     """Tiny random Qwen3-Next (layer 0 GDN linear attention, layer 1 full attention)."""
     return _tiny("qwen3_next", "tiny-qwen3-next")
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeStore]:
+    """A :class:`~tests.fakes_store.FakeStore` that every UCMPatchConnector built in this
+    process uses, with the process-wide state (store cache, dump scheduler, counters)
+    reset before and after; held puts are released at the end."""
+    from tests.fakes_store import FakeStore
+    from ucm_patch import connector, connector_stats
+    from ucm_patch.hooks.scheduler import reset_scheduler
+
+    fake = FakeStore()
+    monkeypatch.setattr(connector, "make_store", lambda _config: fake)
+    connector._stores.clear()
+    reset_scheduler()
+    connector_stats.reset()
+    yield fake
+    fake.release()
+    connector._stores.clear()
+    reset_scheduler()
+    connector_stats.reset()

@@ -7,7 +7,6 @@ store keys; the plugin's registration must be idempotent and resolvable by vLLM'
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ from vllm.v1.kv_cache_interface import (
 
 from tests.connector_harness import kv_cache_config, vllm_config
 from tests.fakes_store import FakeStore
-from ucm_patch import connector, connector_stats
 from ucm_patch.connector import UCMPatchConnector, register_with_vllm
 from ucm_patch.connector_config import (
     CONNECTOR_KEYS,
@@ -37,19 +35,6 @@ from ucm_patch.connector_config import (
 )
 from ucm_patch.connector_layout import KVLayout, LayoutError
 from ucm_patch.connector_scheduler import choose_load_async
-from ucm_patch.hooks.scheduler import reset_scheduler
-
-
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeStore]:
-    fake = FakeStore()
-    monkeypatch.setattr(connector, "make_store", lambda _config: fake)
-    connector._stores.clear()
-    reset_scheduler()
-    connector_stats.reset()
-    yield fake
-    connector._stores.clear()
-    reset_scheduler()
 
 
 # -- configuration ------------------------------------------------------------------------

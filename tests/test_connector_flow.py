@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,27 +18,12 @@ from vllm.v1.core.block_pool import BlockPool
 from tests.connector_harness import BS, LAYERS, NUM_BLOCKS, Harness, Req, blocks, new_req
 from tests.connector_harness import sched_output as so
 from tests.fakes_store import FakeStore
-from ucm_patch import connector, connector_stats
+from ucm_patch import connector
 from ucm_patch.connector import UCMPatchConnector
-from ucm_patch.hooks.scheduler import reset_scheduler
 from ucm_patch.hooks.stores.base import StoreError
 
 TOKENS = list(range(100, 113))  # 13 tokens: 3 full blocks of 4 + 1
 WAIT_S = 30.0  # generous: other test processes may load the 2 cores
-
-
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeStore]:
-    fake = FakeStore()
-    monkeypatch.setattr(connector, "make_store", lambda _config: fake)
-    connector._stores.clear()
-    reset_scheduler()
-    connector_stats.reset()
-    yield fake
-    fake.release()
-    connector._stores.clear()
-    reset_scheduler()
-    connector_stats.reset()
 
 
 def compute_pages(h: Harness, block_ids: list[int], seed: int) -> dict[tuple[int, int], bytes]:

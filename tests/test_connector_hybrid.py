@@ -10,36 +10,19 @@ row (both layers alias) carries both kinds of page.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
-
-import pytest
 
 from tests.connector_harness import Harness, Req, blocks, new_req, vllm_config
 from tests.connector_harness import sched_output as so
 from tests.fakes_store import FakeStore
 from tests.test_connector_config import hybrid_config
-from ucm_patch import connector, connector_stats
+from ucm_patch import connector
 from ucm_patch.connector import UCMPatchConnector
-from ucm_patch.hooks.scheduler import reset_scheduler
 
 LAYERS = ("model.layers.0.linear_attn", "model.layers.1.self_attn.attn")
 GDN, ATTN = 0, 1  # group indices
 TOKENS = list(range(300, 317))  # 17 tokens: two units of 8 + 1
 WAIT_S = 30.0
-
-
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeStore]:
-    fake = FakeStore()
-    monkeypatch.setattr(connector, "make_store", lambda _config: fake)
-    connector._stores.clear()
-    reset_scheduler()
-    connector_stats.reset()
-    yield fake
-    connector._stores.clear()
-    reset_scheduler()
-    connector_stats.reset()
 
 
 def harness() -> Harness:

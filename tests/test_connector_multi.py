@@ -11,7 +11,6 @@ every request (like a P/D sender) and reports two steps after it learns of the f
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,8 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from tests.connector_harness import Harness, Req, blocks, new_req, vllm_config
 from tests.connector_harness import sched_output as so
 from tests.fakes_store import FakeStore
-from ucm_patch import connector, connector_stats
-from ucm_patch.hooks.scheduler import reset_scheduler
+from ucm_patch import connector
 
 TOKENS = list(range(100, 113))  # 3 full blocks + 1 token
 WAIT_S = 30.0
@@ -88,20 +86,6 @@ class AsyncSiblingHMA(AsyncSibling, SupportsHMA):
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, None]:
         return True, None
-
-
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeStore]:
-    fake = FakeStore()
-    monkeypatch.setattr(connector, "make_store", lambda _config: fake)
-    connector._stores.clear()
-    reset_scheduler()
-    connector_stats.reset()
-    yield fake
-    fake.release()
-    connector._stores.clear()
-    reset_scheduler()
-    connector_stats.reset()
 
 
 def multi(sibling: str, hma: bool) -> Harness:
