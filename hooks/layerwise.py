@@ -124,7 +124,12 @@ def layer_metadata(layer_name: str) -> Any | None:
     name in V1, and from 0.11 possibly a list of dicts (ubatching, speculative decoding:
     element 0 is the base model's). Older single-object metadata is passed through.
     """
-    md = _get_forward_context().attn_metadata  # type: ignore[misc]
+    return pick_metadata(_get_forward_context().attn_metadata, layer_name)  # type: ignore[misc]
+
+
+def pick_metadata(all_metadata: Any, layer_name: str) -> Any | None:
+    """``layer_name``'s entry of ``forward_context.attn_metadata`` (see :func:`layer_metadata`)."""
+    md = all_metadata
     if md is None:
         return None
     if isinstance(md, list):
@@ -155,23 +160,12 @@ def begin(layer_name: str) -> Any | None:
 def enter(conn: Any, layer_name: str, all_metadata: Any) -> Any | None:
     """:func:`begin` for a wrapper that already holds the active connector ``conn`` and
     ``forward_context.attn_metadata`` (it needs the forward context for the KV cache too):
-    two Python calls fewer per layer on the connector path. Same gates, same contract."""
+    one Python call fewer per layer on the connector path. Same gates, same contract."""
     if layer_name in _inside:
         calls["skipped_nested"] += 1
         return None
-    # layer_metadata(), inlined: this runs once per layer per step.
-    md = all_metadata
-    if md is None:
-        return None
-    if isinstance(md, list):
-        if not md:
-            return None
-        md = md[0]
-    if isinstance(md, dict):
-        md = md.get(layer_name)
-        if md is None:
-            return None
-    if not _has_metadata(conn):
+    md = pick_metadata(all_metadata, layer_name)
+    if md is None or not _has_metadata(conn):
         return None
     _inside.add(layer_name)
     calls["wait"] += 1

@@ -21,8 +21,8 @@ The registry installs ``FunctionWrapper(original, guard, enabled=make_enabled(..
   A failed record turns into a pass-through for the rest of the process. In strict mode
   the failure is raised as :class:`~ucm_patch.errors.PatchFailed` instead.
 
-Cost on the active path: the shim's frame, plus a bound method for a method target (wrapt
-allocates a bound wrapper per attribute access anyway). The cell is per record and not per
+Cost on the active path: the shim's frame; nothing is allocated (a method's instance is
+parked in the cell for the call instead of binding the shim). The cell is per record and not per
 thread: vLLM runs a worker's forward pass on one thread, and a layer's core does not
 re-enter itself. The guard only applies to plain functions (every current target); other
 callables are wrapped without one.
@@ -48,12 +48,13 @@ IDLE, RUNNING, RETURNED = 0, 1, 2
 class CallCell:
     """Per-record call state shared by the shim and the guard."""
 
-    __slots__ = ("broken", "result", "state")
+    __slots__ = ("broken", "instance", "result", "state")
 
     def __init__(self) -> None:
         self.state = IDLE
         self.result: Any = None
         self.broken = False
+        self.instance: Any = None  # the bound instance while a method call is guarded
 
 
 def guardable(original: Any) -> bool:
@@ -62,16 +63,34 @@ def guardable(original: Any) -> bool:
     return type(original) is types.FunctionType
 
 
-def make_shim(original: Callable[..., Any], cell: CallCell) -> Callable[..., Any]:
-    """A plain function (so it binds like ``original``) that records the call's progress."""
+def make_shim(
+    original: Callable[..., Any], cell: CallCell, method: bool = False
+) -> Callable[..., Any]:
+    """A callable standing in for ``original`` that records the call's progress.
 
-    @functools.wraps(original)
-    def shim(*args: Any, **kwargs: Any) -> Any:
-        cell.state = RUNNING
-        result = original(*args, **kwargs)
-        cell.result = result
-        cell.state = RETURNED
-        return result
+    ``method``: the shim stands for ``original`` bound to ``cell.instance`` (set by the
+    guard for the duration of the call), so no bound method is allocated per call.
+    """
+
+    if method:
+
+        @functools.wraps(original)
+        def shim(*args: Any, **kwargs: Any) -> Any:
+            cell.state = RUNNING
+            result = original(cell.instance, *args, **kwargs)
+            cell.result = result
+            cell.state = RETURNED
+            return result
+
+    else:
+
+        @functools.wraps(original)
+        def shim(*args: Any, **kwargs: Any) -> Any:
+            cell.state = RUNNING
+            result = original(*args, **kwargs)
+            cell.result = result
+            cell.state = RETURNED
+            return result
 
     return shim
 
@@ -108,21 +127,25 @@ def make_guard(
     wrapper gets the shim bound the same way instead. Once the record is broken a call
     goes straight to the original.
     """
-    shim = make_shim(original, cell)
-    bind = types.MethodType
+    function_shim = make_shim(original, cell)
+    method_shim = make_shim(original, cell, method=True)
 
     def guard(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         if cell.broken:
             return wrapped(*args, **kwargs)
-        tracked = shim if instance is None else bind(shim, instance)
+        if instance is None:
+            tracked = function_shim
+        else:
+            tracked = method_shim
+            cell.instance = instance
         cell.state = IDLE
         try:
             out = wrapper(tracked, instance, args, kwargs)
         except Exception as exc:
             state, result = cell.state, cell.result
-            cell.result = None
+            cell.result = cell.instance = None
             if state == RUNNING:
                 raise  # the original itself failed: not ours to hide
             cell.broken = True
@@ -132,7 +155,7 @@ def make_guard(
             if state == RETURNED:
                 return result
             return wrapped(*args, **kwargs)
-        cell.result = None  # do not keep the host's result alive
+        cell.result = cell.instance = None  # do not keep the host's objects alive
         return out
 
     return guard
