@@ -51,12 +51,9 @@ def _metadata_bound(conn: Any) -> bool:
     return getattr(conn, "_connector_metadata", None) is not None
 
 
-def _call_has_metadata(conn: Any) -> bool:
-    return conn.has_connector_metadata()
-
-
-# Chosen by bind() for the installed vLLM.
-_has_metadata: Callable[[Any], bool] = _call_has_metadata
+# Chosen by bind() for the installed vLLM: None means "call conn.has_connector_metadata()"
+# (vLLM 0.12+), spelled inline on the hot path.
+_has_metadata: Callable[[Any], bool] | None = None
 
 # layer name -> the last device event recorded right after that layer's KV-cache write
 # (kv_ready_event patch set). Borrowed: the hooks never destroy these events; the dump
@@ -164,8 +161,14 @@ def enter(conn: Any, layer_name: str, all_metadata: Any) -> Any | None:
     if layer_name in _inside:
         calls["skipped_nested"] += 1
         return None
-    md = pick_metadata(all_metadata, layer_name)
-    if md is None or not _has_metadata(conn):
+    # vLLM 0.12+ passes a dict keyed by layer name: looked up inline (a call saved).
+    if all_metadata.__class__ is dict:
+        md = all_metadata.get(layer_name)
+    else:
+        md = pick_metadata(all_metadata, layer_name)
+    if md is None:
+        return None
+    if not (conn.has_connector_metadata() if _has_metadata is None else _has_metadata(conn)):
         return None
     _inside.add(layer_name)
     calls["wait"] += 1

@@ -82,7 +82,8 @@ class RowMap:
         self.row_of: dict[str, int] = {
             layer: row.index for row in self.rows for layer in row.layers
         }
-        self._save_row: dict[str, int] = {row.save_layer: row.index for row in self.rows}
+        #: save layer -> its row (what :meth:`dump_row` looks up; a hot caller may bind it)
+        self.save_row_of: dict[str, int] = {row.save_layer: row.index for row in self.rows}
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -99,7 +100,7 @@ class RowMap:
 
         Hot path (once per layer per step): one dict lookup.
         """
-        return self._save_row.get(layer_name, -1)
+        return self.save_row_of.get(layer_name, -1)
 
     def save_layers(self) -> list[str]:
         """Each row's dump layer, in row order."""

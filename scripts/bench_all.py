@@ -498,7 +498,7 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                     h = r["hidden_share"]
                     rows.append(
                         (
-                            "dump overlap B, real vLLM, UCMPatchConnector async",
+                            f"dump overlap B, real vLLM, {r['connector']} async",
                             "ratio <= 1.05, hidden >= 95 %",
                             f"{r['ratio']:.3f}, "
                             + _fmt(None if h is None else h * 100, ".1f", " %"),
@@ -807,9 +807,12 @@ def section_overlap(data: dict[str, Any]) -> list[str]:
                 ],
             ),
             "",
-            'On this host the "device" is the CPU: vLLM computes with an OpenMP team on every',
-            "core, so the CPU part of a dump (page copy, checksum, file write) competes with",
-            "compute instead of overlapping it; only the store's latency is free to hide. In",
+            'On this host the "device" is the CPU: by default vLLM computes with an OpenMP team',
+            "on every core, so the CPU part of a dump (page copy, checksum, file write) competes",
+            "with compute instead of overlapping it; only the store's latency is free to hide.",
+            "The `compute on 1 thread` rows run the same workload with `OMP_NUM_THREADS=1`",
+            "(`VLLM_CPU_OMP_THREADS_BIND=nobind`), dumps off and on alike: the second core is",
+            "left to the dump threads, as a GPU host's CPU is while its device computes. In",
             "`blocking` mode the wait happens in the *next* step's `get_finished` (vLLM reports a",
             "request finished one step later), after that step's forward, so it only shows when",
             "a step's dumps outlast the following step.",

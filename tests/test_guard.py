@@ -15,26 +15,36 @@ from ucm_patch.registry import Registry
 SIDE_EFFECTS: list[int] = []
 
 
-def _module() -> types.ModuleType:
+def _core(x: int) -> int:
+    SIDE_EFFECTS.append(x)
+    if x < 0:
+        raise ValueError("host error")
+    return x * 2
+
+
+def _core_varargs(*args: int) -> int:
+    return _core(*args)
+
+
+# The two installers the registry picks between: an exact-signature trampoline for a plain
+# function with a fixed parameter list, wrapt's FunctionWrapper for ``*args`` (and for
+# anything that is not a plain function). The guard must behave the same under both.
+INSTALLERS = {"trampoline": _core, "wrapt": _core_varargs}
+
+
+@pytest.fixture(params=sorted(INSTALLERS))
+def target(request) -> Iterator[types.ModuleType]:
     mod = types.ModuleType("ucm_guard_target")
-
-    def core(x: int) -> int:
-        SIDE_EFFECTS.append(x)
-        if x < 0:
-            raise ValueError("host error")
-        return x * 2
-
-    mod.core = core
-    return mod
-
-
-@pytest.fixture
-def target() -> Iterator[types.ModuleType]:
-    mod = _module()
+    mod.core = INSTALLERS[request.param]
+    mod.installer = request.param
     sys.modules[mod.__name__] = mod
     SIDE_EFFECTS.clear()
     yield mod
     del sys.modules[mod.__name__]
+
+
+def _installed_by(fn: object) -> str:
+    return "trampoline" if type(fn) is types.FunctionType else "wrapt"
 
 
 def _registry(where: str) -> Registry:
@@ -66,6 +76,7 @@ def _registry(where: str) -> Registry:
 def test_wrapper_bug_is_reported_and_the_call_completes(target, where: str) -> None:
     reg = _registry(where)
     reg.activate()
+    assert _installed_by(target.core) == target.installer
     assert target.core(3) == 6  # the original's result, computed exactly once
     assert SIDE_EFFECTS == [3]
     row = reg.report()[0]
@@ -157,8 +168,15 @@ def test_skip_when_on_a_method_binds_the_instance(target) -> None:
         def __init__(self, k: int) -> None:
             self.k = k
 
-        def core(self, x: int) -> int:
-            return x * self.k
+        if target.installer == "trampoline":
+
+            def core(self, x: int) -> int:
+                return x * self.k
+
+        else:
+
+            def core(self, *args: int, **kwargs: int) -> int:
+                return (args[0] if args else kwargs["x"]) * self.k
 
     target.Layer = Layer
 
@@ -182,6 +200,7 @@ def test_skip_when_on_a_method_binds_the_instance(target) -> None:
     )
     reg = Registry([rec])
     reg.activate()
+    assert _installed_by(vars(Layer)["core"]) == target.installer
     try:
         layer = Layer(3)
         assert layer.core(2) == 6

@@ -113,6 +113,11 @@ def _install(monkeypatch: pytest.MonkeyPatch, world: World, facts: dict[str, Any
     monkeypatch.setattr(layerwise, "_get_forward_context", lambda: world.fc)
     monkeypatch.setattr(_vllm_compat, "forward_context_getter", lambda: lambda: world.fc)
     monkeypatch.setattr(
+        _vllm_compat,
+        "forward_context_holder",
+        lambda: types.SimpleNamespace(_forward_context=world.fc),
+    )
+    monkeypatch.setattr(
         _vllm_compat, "has_virtual_engine", lambda: facts["forward_context_virtual_engine"]
     )
     resolver = resolve_fake if facts["resolve_layer_name"] else _vllm_compat._identity_name

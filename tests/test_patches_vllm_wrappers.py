@@ -49,6 +49,9 @@ def world(monkeypatch):
     monkeypatch.setattr(layerwise, "_kv_state", state)
     monkeypatch.setattr(layerwise, "_get_forward_context", lambda: fc)
     monkeypatch.setattr(_vllm_compat, "forward_context_getter", lambda: lambda: fc)
+    monkeypatch.setattr(
+        _vllm_compat, "forward_context_holder", lambda: types.SimpleNamespace(_forward_context=fc)
+    )
     monkeypatch.setattr(_vllm_compat, "has_virtual_engine", lambda: False)
     monkeypatch.setattr(_vllm_compat, "layer_name_resolver", lambda: _vllm_compat._identity_name)
     layerwise.reset_for_tests()
@@ -162,9 +165,13 @@ def test_op_wrapper_resolves_layer_and_accepts_keyword_name(world, monkeypatch):
         lambda mixed_qkv, b, a, core_attn_out, layer_name: conn.log.append(("core",)),
         _layer_hooks.make_op_wrapper(4),
     )
-    kernel(1, 2, 3, 4, Encoded(NAME))
-    kernel(1, 2, 3, 4, layer_name=NAME)
-    assert [e[0] for e in conn.log] == ["wait", "core", "save"] * 2
+    from vllm.utils.torch_utils import _encode_layer_name
+
+    kernel(1, 2, 3, 4, Encoded(NAME))  # an unknown encoding: through the resolver
+    kernel(1, 2, 3, 4, layer_name=NAME)  # a plain str
+    kernel(1, 2, 3, 4, _encode_layer_name(NAME))  # vLLM's LayerName: unwrapped inline
+    assert [e[0] for e in conn.log] == ["wait", "core", "save"] * 3
+    assert {e[1] for e in conn.log if e[0] != "core"} == {NAME}
     assert all(e[2] is layer.kv_cache for e in conn.log if e[0] == "save")
 
 
@@ -273,10 +280,13 @@ def test_save_hook_wrapper_records_before_vllm_saves(world, monkeypatch):
 
 # -- _vllm_compat on the installed vLLM -----------------------------------------------------
 def test_compat_on_installed_vllm():
+    import vllm.forward_context
     import vllm.utils.torch_utils as tu
     from vllm.forward_context import get_forward_context
 
     assert _vllm_compat.forward_context_getter() is get_forward_context
+    assert _vllm_compat.forward_context_holder() is vllm.forward_context
+    assert _vllm_compat.layer_name_class() is tu.LayerName
     assert _vllm_compat.has_virtual_engine() is False  # 0.32 (virtual_engine gone since 0.19)
     assert _vllm_compat.layer_name_resolver() is tu._resolve_layer_name
     assert _vllm_compat.platform_dispatch_key() == "CPU"

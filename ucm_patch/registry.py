@@ -22,6 +22,9 @@ Guarantees (each has a test in tests/test_registry_*.py):
 * **Thread-safe.** One ``RLock`` guards the state table. Factories (which may import) run
   *outside* the lock, and wrapt runs post-import hooks outside its own lock, so a hook
   firing in one thread while another thread imports cannot deadlock on the import lock.
+* **Cheap where it runs per layer.** A plain-function target gets an exact-signature
+  trampoline (:mod:`ucm_patch.trampoline`), anything else a wrapt ``FunctionWrapper``;
+  both run the same guarded wrapper (:mod:`ucm_patch.guard`).
 * **Revertible.** The exact original is restored only while the attribute still is our
   wrapper; if something else replaced or re-wrapped it, the registry warns and leaves it.
 """
@@ -37,7 +40,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 
-from ucm_patch import guard, importhooks
+from ucm_patch import guard, importhooks, trampoline
 from ucm_patch.errors import PatchFailed
 from ucm_patch.records import Kind, PatchRecord, Tag
 from ucm_patch.toggles import ToggleResolver
@@ -450,8 +453,6 @@ def _apply(
 
     ``on_call_failure`` / ``strict`` feed the call-time guard (see :mod:`ucm_patch.guard`).
     """
-    import wrapt  # here, not at import: see importhooks' docstring
-
     resolved = _resolve(record, module)
     if isinstance(resolved, str):
         return None, resolved
@@ -461,17 +462,26 @@ def _apply(
         return None, f"{record.target} already carries this patch; not wrapped twice"
     owned = not isinstance(parent, type) or attribute in vars(parent)
     patch_wrapper = record.make_wrapper()
-    enabled = None
-    if guard.guardable(original):
-        cell = guard.CallCell()
-        patch_wrapper = guard.make_guard(patch_wrapper, cell, original, on_call_failure, strict)
-        enabled = guard.make_enabled(cell, record.skip_when)
-    else:
-        cell = None
+    method = isinstance(parent, type)
+    cell = None
+    if not guard.guardable(original):
+        import wrapt  # here, not at import: see importhooks' docstring (~5-10 ms)
+
         skip = record.skip_when
-        if skip is not None:
-            enabled = lambda: not skip()  # noqa: E731
-    wrapper = wrapt.FunctionWrapper(original, patch_wrapper, enabled=enabled)
+        enabled = None if skip is None else lambda: not skip()
+        wrapper = wrapt.FunctionWrapper(original, patch_wrapper, enabled=enabled)
+    else:
+        cell = guard.CallCell()
+        enabled = guard.make_enabled(cell, record.skip_when)
+        if trampoline.supports(original, method):
+            wrapper = trampoline.make_trampoline(
+                original, patch_wrapper, enabled, method, cell, on_call_failure, strict
+            )
+        else:
+            import wrapt
+
+            guarded = guard.make_guard(patch_wrapper, cell, original, on_call_failure, strict)
+            wrapper = wrapt.FunctionWrapper(original, guarded, enabled=enabled)
     setattr(wrapper, MARKER, record.id)
     library = None
     if record.kind is Kind.OP_KERNEL:

@@ -4,9 +4,10 @@ layerwise hooks, the way vLLM's ``maybe_transfer_kv_layer`` brackets attention.
 Every factory runs at apply time: it calls :func:`ucm_patch.hooks.layerwise.bind` and
 binds the version-dependent accessors of :mod:`._vllm_compat`, so the returned wrapper
 does no import, no feature detection and no allocation per call. With no KV connector
-active a wrapper costs two attribute loads and a compare (vLLM's KV-transfer state module
-is bound once, :func:`_connector_probe`) before calling the core; the layer name is not
-even looked up.
+active a wrapper costs three attribute loads and two compares (vLLM's KV-transfer state
+and forward-context modules are bound once: :func:`_connector_probe`,
+``_vllm_compat.forward_context_holder``) before calling the core; the layer name is not
+even looked up. Outside a forward pass (no forward context) the core runs untouched.
 
 Order per call (the contract the hooks document)::
 
@@ -57,7 +58,7 @@ def make_method_wrapper(name_attr: str = "prefix") -> Wrapper:
     The cache is the instance's (``kv_cache[virtual_engine]`` up to vLLM 0.18).
     """
     probe = _connector_probe()
-    get_forward_context = _vllm_compat.forward_context_getter()
+    holder = _vllm_compat.forward_context_holder()
     per_stage = _vllm_compat.has_virtual_engine()
     enter, inside, calls = layerwise.enter, layerwise._inside, layerwise.calls
 
@@ -65,10 +66,10 @@ def make_method_wrapper(name_attr: str = "prefix") -> Wrapper:
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         conn = probe._KV_CONNECTOR_AGENT
-        if conn is None:
+        forward_context = holder._forward_context
+        if conn is None or forward_context is None:
             return wrapped(*args, **kwargs)
         layer_name = getattr(instance, name_attr)
-        forward_context = get_forward_context()
         md = enter(conn, layer_name, forward_context.attn_metadata)
         if md is None:
             return wrapped(*args, **kwargs)
@@ -94,20 +95,22 @@ def make_op_wrapper(layer_name_index: int) -> Wrapper:
     that exists (vLLM 0.20+). With no connector the name is not even resolved.
     """
     probe = _connector_probe()
-    get_forward_context = _vllm_compat.forward_context_getter()
+    holder = _vllm_compat.forward_context_holder()
     per_stage = _vllm_compat.has_virtual_engine()
     resolve_name = _vllm_compat.layer_name_resolver()
+    name_class = _vllm_compat.layer_name_class()
     enter, inside, calls = layerwise.enter, layerwise._inside, layerwise.calls
 
     def layer_op_wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         conn = probe._KV_CONNECTOR_AGENT
-        if conn is None:
+        forward_context = holder._forward_context
+        if conn is None or forward_context is None:
             return wrapped(*args, **kwargs)
         raw = args[layer_name_index] if len(args) > layer_name_index else kwargs["layer_name"]
-        layer_name = resolve_name(raw)
-        forward_context = get_forward_context()
+        kind = raw.__class__  # LayerName (0.20+ dispatcher) or str, unwrapped without a call
+        layer_name = raw if kind is str else raw.value if kind is name_class else resolve_name(raw)
         md = enter(conn, layer_name, forward_context.attn_metadata)
         if md is None:
             return wrapped(*args, **kwargs)
