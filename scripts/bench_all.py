@@ -563,7 +563,8 @@ def section_hooks(data: dict[str, Any]) -> list[str]:
                     ("heavy modules it imports", s["heavy_modules_imported"], "none"),
                     (
                         f"apply {a['applied']} of {a['records']} records (targets imported; "
-                        "gating, wrapt's first import, wrapping)",
+                        "gating, wrapping; wrapt is imported only for a target a trampoline "
+                        "cannot take)",
                         f"{a['apply_ms']:.2f} ms",
                         "< 5 ms",
                     ),
@@ -602,16 +603,18 @@ def section_hooks(data: dict[str, Any]) -> list[str]:
                 ],
             ),
             "",
-            "How to read it: `closure` is the wrapper body alone; `wrapt` adds wrapt's C",
-            "`FunctionWrapper` call, which on this VM costs more than the body itself; `registry`",
-            "is production. With no connector, wrapt's `enabled` check (for the GDN records a",
-            "frame-free `functools.partial(getattr, kv_transfer_state, '_KV_CONNECTOR_AGENT')`)",
-            "sends the call to the original before any Python frame runs: that is why the cpu-op",
-            "`registry` row sits below its `wrapt` row. A method target still pays wrapt's bound",
-            "wrapper per attribute access. With a connector active the registry adds the guard",
-            "and its shim (call-time isolation) on top of wrapt. Timings on this VM swing by up",
-            "to 2x between runs of the same code (cpu op idle 176-331 ns, method idle",
-            "958-1914 ns in four runs within 15 minutes), so compare rows of one run only.",
+            "How to read it: `closure` is the wrapper body called from a plain",
+            "`*args, **kwargs` function; `wrapt` is the same body under wrapt's C",
+            "`FunctionWrapper`, which on this VM costs more than the body itself (a bound",
+            "wrapper per attribute access for a method,",
+            "and keyword arguments repacked into dicts twice); `registry` is production: the",
+            "record applied by a real Registry, which installs an exact-signature trampoline",
+            "(`ucm_patch/trampoline.py`) with the call-time guard inline. With no connector its",
+            "`enabled` check (for the GDN records a frame-free `functools.partial(getattr,",
+            "kv_transfer_state, '_KV_CONNECTOR_AGENT')`) sends the call to the original from the",
+            "trampoline's single frame; a method binds like any function (no allocation) and",
+            "vLLM's keyword call lands in real parameters. Timings on this VM swing by up to 2x",
+            "between runs of the same code, so compare rows of one run only.",
             "",
         ]
     if dump:

@@ -14,12 +14,13 @@ difference to the unwrapped call is exactly what ucm_patch adds:
   with a ``LayerName``-encoded name as the dispatcher does on 0.32 CPU.
 
 Each path is measured applied three ways: ``registry`` (the record applied by a real
-``ucm_patch.registry.Registry``: wrapt ``FunctionWrapper`` + call-time guard + shim, what
-runs in production; the CPU-op record is applied as a plain wrap of a stand-in module
-function, so torch's dispatcher cost, which is upstream's, is left out), ``wrapt`` (a bare
-``wrapt.FunctionWrapper`` around the wrapper) and ``closure`` (the same wrapper body
-called from a plain function: the floor), so the wrapper body's own cost and the cost of
-each application layer are visible separately.
+``ucm_patch.registry.Registry``: the exact-signature trampoline with the call-time guard
+inline, what runs in production; the CPU-op record is applied as a plain wrap of a
+stand-in module function, so torch's dispatcher cost, which is upstream's, is left out),
+``wrapt`` (a bare ``wrapt.FunctionWrapper`` around the same wrapper, the installer used
+before the trampolines and still used for targets they cannot take) and ``closure`` (the
+wrapper called from a plain ``*args, **kwargs`` function), so the cost of each
+application layer is visible separately.
 
 The "connector, nothing to dump" case uses a connector whose ``wait_for_layer_load`` /
 ``save_kv_layer`` return at once, so the figure is the hooks' own cost.
