@@ -193,3 +193,22 @@ def _annotated(x: SEEN_TYPE, y: int = 2) -> SEEN_TYPE:  # type: ignore[valid-typ
 
 
 SEEN_TYPE = list
+
+
+def test_one_compiled_shape_serves_functions_with_other_parameter_names() -> None:
+    """Trampolines are compiled once per signature shape and renamed per target: each
+    must bind its own keyword names (and only those)."""
+
+    def first(alpha, beta=2):
+        return ("first", alpha, beta)
+
+    def second(gamma, delta=3):
+        return ("second", gamma, delta)
+
+    one, two = _install(first), _install(second)
+    assert one.__code__.co_code == two.__code__.co_code  # the same compiled shape
+    assert one(beta=5, alpha=1) == ("first", 1, 5)
+    assert two(delta=7, gamma=4) == ("second", 4, 7)
+    assert one.__code__.co_name == "first" and two.__code__.co_name == "second"
+    with pytest.raises(TypeError, match="gamma"):
+        one(gamma=1)

@@ -57,6 +57,7 @@ _PREFIX = "_ucm_tr_"  # generated names; a target parameter with this prefix is 
 # read-only mapping: ``wrapped(*args, **kwargs)`` merges a dict at C speed, a mapping
 # proxy through ``keys()``. Wrappers treat ``kwargs`` as read-only (none of ours writes it).
 EMPTY_KWARGS: dict[str, Any] = {}
+_RENAMES = f"{_PREFIX}renames"  # key in a build's env: placeholder -> real parameter name
 
 
 def supports(original: Any, method: bool) -> bool:
@@ -86,6 +87,13 @@ class _Parameters:
         code = fn.__code__
         n_pos, n_kw = code.co_argcount, code.co_kwonlyargcount
         names = code.co_varnames
+        if not n_kw:
+            # Placeholders instead of the real names, renamed in the compiled code (see
+            # _build): one compile per signature *shape*. Keyword-only names also appear
+            # as string constants (the kwargs dict), so those functions keep real names.
+            names = tuple(f"{_PREFIX}a{i}" for i in range(n_pos)) + names[n_pos:]
+            for placeholder, real in zip(names, code.co_varnames[:n_pos], strict=False):
+                env.setdefault(_RENAMES, {})[placeholder] = real
         skip = 1 if drop_first else 0
         self.positional = list(names[skip:n_pos])
         self.kwonly = list(names[n_pos : n_pos + n_kw])
@@ -125,18 +133,38 @@ class _Parameters:
         return "{" + ", ".join(f"{k!r}: {k}" for k in self.kwonly) + "}"
 
 
+@functools.lru_cache(maxsize=128)
+def _compile_factory(src: str) -> types.CodeType:
+    """The factory's code object for ``src`` (compiled once per signature shape)."""
+    module_code = compile(src, "<ucm_patch>", "exec")  # names only: see module docstring
+    return next(c for c in module_code.co_consts if isinstance(c, types.CodeType))
+
+
 def _build(
     original: types.FunctionType, what: str, head: str, body: list[str], env: dict[str, Any]
 ) -> types.FunctionType:
     """Compile ``def <name>(<head>): <body>`` with ``env`` bound as closure cells of a
     factory (LOAD_DEREF: no globals lookup per call) and give it ``original``'s identity."""
-    code = original.__code__
-    name = code.co_name if code.co_name.isidentifier() else what
-    src = f"def {_PREFIX}factory({', '.join(env)}):\n    def {name}({head}):\n"
-    src += "".join(f"        {line}\n" for line in body) + f"    return {name}\n"
+    renames = env.pop(_RENAMES, {})
+    fn = f"{_PREFIX}fn"
+    src = f"def {_PREFIX}factory({', '.join(env)}):\n    def {fn}({head}):\n"
+    src += "".join(f"        {line}\n" for line in body) + f"    return {fn}\n"
+    factory_code = _compile_factory(src)
+    # Give the compiled shape this target's parameter names (keyword binding reads
+    # co_varnames; the bytecode addresses locals by index) and a name and file that say
+    # whose frame it is in a traceback.
     filename = f"<ucm_patch {what} for {original.__module__}.{original.__qualname__}>"
-    module_code = compile(src, filename, "exec")  # names only: see module docstring
-    (factory_code,) = (c for c in module_code.co_consts if isinstance(c, types.CodeType))
+    name = original.__code__.co_name
+    inner = next(c for c in factory_code.co_consts if isinstance(c, types.CodeType))
+    inner_named = inner.replace(
+        co_varnames=tuple(renames.get(v, v) for v in inner.co_varnames),
+        co_name=name,
+        co_filename=filename,
+    )
+    factory_code = factory_code.replace(
+        co_consts=tuple(inner_named if c is inner else c for c in factory_code.co_consts),
+        co_filename=filename,
+    )
     # The original's globals, not a scratch namespace: torch.library.infer_schema (vLLM
     # registering a lazily defined op kernel) evaluates string annotations in the
     # function's ``__globals__``. Everything the body uses is a closure cell or a builtin,
