@@ -161,11 +161,7 @@ def enter(conn: Any, layer_name: str, all_metadata: Any) -> Any | None:
     if layer_name in _inside:
         calls["skipped_nested"] += 1
         return None
-    # vLLM 0.12+ passes a dict keyed by layer name: looked up inline (a call saved).
-    if all_metadata.__class__ is dict:
-        md = all_metadata.get(layer_name)
-    else:
-        md = pick_metadata(all_metadata, layer_name)
+    md = pick_metadata(all_metadata, layer_name)
     if md is None:
         return None
     if not (conn.has_connector_metadata() if _has_metadata is None else _has_metadata(conn)):

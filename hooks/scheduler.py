@@ -483,6 +483,7 @@ class DumpScheduler:
             lock=self._lock,
         )
         self._resolve = self.events.resolve
+        self._count_event = self.events.count_locked
         self.capacity = capacity
         self.on_full_wait = on_full == "wait"
         self.full_wait_s = full_wait_s
@@ -624,16 +625,7 @@ class DumpScheduler:
             if type(batch) is Batch and free and not batch.sealed and not self._closed:
                 task = free.pop()
                 batch.pending += 1
-                # EventLedger.count_locked, inlined (once per layer per step: a frame is
-                # ~150 ns of a 2 us budget on the development VM). Keep the two in step.
-                ledger = self.events
-                ledger._sources[source] += 1
-                if owned:
-                    ledger.live_owned += 1
-                elif source != _SYNC and source != _NONE:
-                    ledger.live_borrowed += 1
-                if source in ledger._missing_sources:
-                    self.metrics.event_expected_missing += 1
+                self._count_event(owned, source)
                 self.metrics.dumps_submitted += 1
                 # queue_depth(_max) are updated at retire time: slots only come back
                 # there, so in-flight dumps peak right before a retire.

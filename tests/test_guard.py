@@ -112,9 +112,13 @@ class _Switch:
     agent: object | None = None
 
 
-def _skipping_registry(skip_when) -> Registry:
+def _skipping_registry(
+    skip_when, target: str = "ucm_guard_target:core", instance_of: type | None = None
+) -> Registry:
     def make_wrapper():
         def wrapper(wrapped, instance, args, kwargs):
+            if instance_of is not None:
+                assert isinstance(instance, instance_of)
             return wrapped(*args, **kwargs) + 100
 
         return wrapper
@@ -122,7 +126,7 @@ def _skipping_registry(skip_when) -> Registry:
     rec = PatchRecord(
         "skipping",
         "t",
-        "ucm_guard_target:core",
+        target,
         {"wrapt": ">=1"},
         make_wrapper,
         skip_when=skip_when,
@@ -180,25 +184,7 @@ def test_skip_when_on_a_method_binds_the_instance(target) -> None:
 
     target.Layer = Layer
 
-    def make_wrapper():
-        def wrapper(wrapped, instance, args, kwargs):
-            assert isinstance(instance, Layer)
-            return wrapped(*args, **kwargs) + 100
-
-        return wrapper
-
-    rec = PatchRecord(
-        "skipping_method",
-        "t",
-        "ucm_guard_target:Layer.core",
-        {"wrapt": ">=1"},
-        make_wrapper,
-        skip_when=_fast_idle,
-        why="test record",
-        upstream="test only here",
-        removal="never at all",
-    )
-    reg = Registry([rec])
+    reg = _skipping_registry(_fast_idle, "ucm_guard_target:Layer.core", Layer)
     reg.activate()
     assert _installed_by(vars(Layer)["core"]) == target.installer
     try:

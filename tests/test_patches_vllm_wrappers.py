@@ -292,3 +292,16 @@ def test_compat_on_installed_vllm():
     assert _vllm_compat.platform_dispatch_key() == "CPU"
     module, _, attr = _vllm_compat.DISPATCH_KEY.partition(":")
     assert module == _vllm_compat.__name__ and attr == "platform_dispatch_key"
+
+
+def test_forward_context_holder_without_the_module_global(monkeypatch):
+    """A vLLM without ``forward_context._forward_context`` (none of 0.11-0.33 so far):
+    the holder reads the context through ``get_forward_context`` instead."""
+    import vllm.forward_context as fc_module
+
+    context = object()
+    monkeypatch.delattr(fc_module, "_forward_context")
+    monkeypatch.setattr(fc_module, "get_forward_context", lambda: context)
+    holder = _vllm_compat.forward_context_holder()
+    assert holder is not fc_module
+    assert holder._forward_context is context
