@@ -115,7 +115,6 @@ class WorkerSide:
         self.views: list[torch.Tensor | None] = [None] * n
         # Bound once for the save hook (once per layer per step).
         self._save_row_of = layout.rows.save_row_of
-        self._submit_layer = self.sched.submit_layer
         self._pool = ThreadPoolExecutor(config.load_workers, thread_name_prefix="ucm-load")
         #: layer -> wait_for_layer_load / save_kv_layer calls seen in this process. A layer
         #: missing from wait_calls has no load hook here (see start_load_kv).
@@ -241,26 +240,16 @@ class WorkerSide:
         """Hot path: submit the row whose last layer just ran.
 
         vLLM's signature (the connector binds this method as its own ``save_kv_layer``);
-        ``kv_layer`` is unused: dumps read the registered caches by block id. The layer
-        case of :meth:`_submit_row` is spelled out: two Python calls fewer per layer on
-        a path with a 2 us budget (issue 4)."""
+        ``kv_layer`` is unused: dumps read the registered caches by block id."""
         calls = self.save_calls
         calls[layer_name] = calls.get(layer_name, 0) + 1
-        batch = self._batch
-        if batch is None:
+        if self._batch is None:
             return
         row = self._save_row_of.get(layer_name, -1)  # RowMap.dump_row, inlined
         if row < 0 or self._row_done[row]:
             return
         self._row_done[row] = 1
-        plan = self._row_plans[row]
-        if plan is None:
-            return
-        if not self._pinned:
-            self._submit_row(row, layer_name, attn_metadata)  # eager copy: not the hot case
-            return
-        keys, produce = plan
-        self._submit_layer(batch, layer_name, attn_metadata, row, keys, produce)
+        self._submit_row(row, layer_name, attn_metadata)
 
     def _submit_row(self, row: int, layer_name: str | None, attn_metadata: Any) -> None:
         plan = self._row_plans[row]
