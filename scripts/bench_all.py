@@ -455,14 +455,21 @@ def summary_table(data: dict[str, Any]) -> list[str]:
     if dump:
         for name, r in dump["results"]["paths"].items():
             if "with a dump" in name:
-                rows.append(
-                    (
-                        f"{name} (G2)",
-                        "<= 1.5 us per layer",
-                        f"+{r['added_ns']:.0f} ns (+{r['added_ns_incl_stalls']:.0f} incl. stalls)",
-                        _verdict(r["added_ns"] <= 1500),
+                added = r["added_ns"]
+                measured = f"+{added:.0f} ns (+{r['added_ns_incl_stalls']:.0f} incl. stalls)"
+                if name.startswith("connector.save_kv_layer"):
+                    # The save hook itself: issue 4's budget and the peers' G2 goal.
+                    rows.append(
+                        (
+                            f"save hook {name} (issue 4 / G2)",
+                            "< 2 us / <= 1.5 us per layer",
+                            measured,
+                            f"{_verdict(added < 2000)} / {_verdict(added <= 1500)}",
+                        )
                     )
-                )
+                else:
+                    rows.append((f"{name} (G2)", "<= 1.5 us per layer", measured,
+                                 _verdict(added <= 1500)))  # fmt: skip
     step = data.get("step")
     if step:
         for r in step["results"].values():
@@ -477,6 +484,17 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                     step_verdict(r, bound),
                 )
             )
+            tg = r.get("toggle")
+            if tg:
+                lo, hi = tg["ratio_ci95"]
+                rows.append(
+                    (
+                        f"step overhead, {r['model']}, record toggled in one process",
+                        "ratio <= 1.01",
+                        f"{tg['ratio']:.4f} (95% CI {lo:.3f}-{hi:.3f}), {tg['pairs']} pairs",
+                        step_verdict(tg, None),
+                    )
+                )
     ov = data.get("overlap")
     if ov:
         a = ov["results"].get("scheduler")
@@ -496,13 +514,17 @@ def summary_table(data: dict[str, Any]) -> list[str]:
             for r in b["rows"]:
                 if r["connector"].startswith("UCM") and r["mode"] == "async":
                     h = r["hidden_share"]
+                    target = r.get("target", False)
                     rows.append(
                         (
                             f"dump overlap B, real vLLM, {r['connector']} async",
-                            "ratio <= 1.05, hidden >= 95 %",
-                            f"{r['ratio']:.3f}, "
+                            "ratio <= 1.05, hidden >= 95 %" if target else "(information)",
+                            f"{r['ratio']:.3f} (95% CI {r['ratio_ci95'][0]:.3f}-"
+                            f"{r['ratio_ci95'][1]:.3f}), "
                             + _fmt(None if h is None else h * 100, ".1f", " %"),
-                            _verdict(r["ratio"] <= 1.05 and (h or 0) >= 0.95),
+                            _verdict(r["ratio"] <= 1.05 and (h or 0) >= 0.95)
+                            if target
+                            else "compute on both cores: the dump's CPU work competes with it",
                         )
                     )
     tt = data.get("ttft")
@@ -713,13 +735,40 @@ def section_step(data: dict[str, Any]) -> list[str]:
         "the noise of whole vLLM processes on this machine.",
         "",
     ]
+    toggled = [r for r in d["results"].values() if r.get("toggle")]
+    if toggled:
+        lines += [
+            "In one process (precise): the record switched off (reverted: vLLM's own kernel",
+            "is current again) and on again before each of two adjacent `generate` calls, order",
+            "alternating; ratio = median of the per-pair ratios, 95 % bootstrap over pairs.",
+            "",
+            bc.table(
+                ("model", "record toggled", "pairs", "off, ms", "on, ms", "ratio", "95 % CI",
+                 "target <= 1.01"),
+                [
+                    (
+                        r["model"],
+                        r["toggle"]["record"],
+                        r["toggle"]["pairs"],
+                        f"{r['toggle']['off_ms_median']:.1f}",
+                        f"{r['toggle']['on_ms_median']:.1f}",
+                        f"{r['toggle']['ratio']:.4f}",
+                        f"{r['toggle']['ratio_ci95'][0]:.3f} - {r['toggle']['ratio_ci95'][1]:.3f}",
+                        step_verdict(r["toggle"], None),
+                    )
+                    for r in toggled
+                ],
+            ),
+            "",
+        ]  # fmt: skip
     wide = [r for r in d["results"].values() if r["ratio_ci95"][1] - r["ratio_ci95"][0] > 0.02]
     if wide:
         lines += [
             "The confidence interval is wider than the 1 % being tested for "
             + ", ".join(r["model"] for r in wide)
             + ": process-to-process and load noise on this 2-core machine is larger than the",
-            "effect; the point estimate is the best available figure, not a proof.",
+            "effect; there the point estimate is the best available figure, not a proof. Where",
+            "an in-process row exists, it is the precise figure.",
             "",
         ]
     lines += ["![step overhead](img/step.png)", ""]
@@ -751,6 +800,7 @@ def section_overlap(data: dict[str, Any]) -> list[str]:
                     "no dumps, ms",
                     "with dumps, ms",
                     "ratio (<= 1.05)",
+                    "95 % CI",
                     "dump work ms",
                     "hidden (>= 95 %)",
                 ),
@@ -761,6 +811,7 @@ def section_overlap(data: dict[str, Any]) -> list[str]:
                         f"{row['step_ms_none']:.2f}",
                         f"{m['step_ms']:.2f}",
                         f"{m['ratio']:.3f}",
+                        f"{m['ratio_ci95'][0]:.3f} - {m['ratio_ci95'][1]:.3f}",
                         f"{m['dump_work_ms']:.2f}",
                         f"{m['hidden_share'] * 100:.1f} %",
                     )
@@ -769,9 +820,13 @@ def section_overlap(data: dict[str, Any]) -> list[str]:
                 ],
             ),
             "",
-            "hidden = 1 - (step time increase) / (dump work time); a negative value means the",
-            "step grew by more than the dump work itself (each synchronous put also costs a",
-            "thread wake-up and cache misses in the forward thread).",
+            "Steps columns: medians over all rounds. Ratio and step increase are paired by",
+            "round (every mode runs its steps back to back within a round, rounds repeat): the",
+            "median of the per-round ratios of per-round medians, with a 95 % bootstrap",
+            "interval over rounds, so drift between rounds (VM load, CPU frequency) cancels.",
+            "hidden = 1 - (median per-round step increase) / (dump work time); a negative",
+            "value means the step grew by more than the dump work itself (each synchronous put",
+            "also costs a thread wake-up and cache misses in the forward thread).",
             "",
         ]
     if b:
@@ -782,7 +837,8 @@ def section_overlap(data: dict[str, Any]) -> list[str]:
             f"connectors write through the same controlled store: {b['store_latency_us']:.0f} us "
             f"per put call + {b['store_bandwidth_MBps']:.0f} MB/s (set so the dump work is about "
             "half of the prefill), on top of their real writes (our local store's files; "
-            "ExampleConnector's safetensors files).",
+            "ExampleConnector's safetensors files). Ratio, interval and hidden share are "
+            "paired by round, as in A (one `generate` per mode per round).",
             "",
             bc.table(
                 (
@@ -815,7 +871,8 @@ def section_overlap(data: dict[str, Any]) -> list[str]:
             "with compute instead of overlapping it; only the store's latency is free to hide.",
             "The `compute on 1 thread` rows run the same workload with `OMP_NUM_THREADS=1`",
             "(`VLLM_CPU_OMP_THREADS_BIND=nobind`), dumps off and on alike: the second core is",
-            "left to the dump threads, as a GPU host's CPU is while its device computes. In",
+            "left to the dump threads, as a GPU host's CPU is while its device computes. That",
+            "is the row held to the budget; the all-cores row is shown for information. In",
             "`blocking` mode the wait happens in the *next* step's `get_finished` (vLLM reports a",
             "request finished one step later), after that step's forward, so it only shows when",
             "a step's dumps outlast the following step.",
@@ -988,11 +1045,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     runs: dict[str, Any] = {}
     if not args.no_run:
+        machine = bc.machine(load_start[0])  # its "time" is when the run started
         print(f"load average at start: {load_start}", flush=True)
         for name in names:
             runs[name] = run_bench(name, args.quick)
         meta = {
-            "machine": bc.machine(load_start[0]),
+            "machine": machine,
             "load_start": load_start,
             "load_end": list(os.getloadavg()),
             "total_s": time.perf_counter() - started,

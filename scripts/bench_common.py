@@ -198,6 +198,31 @@ def ratio_ci(num: Sequence[float], den: Sequence[float], rounds: int = 2000) -> 
     return (out[int(0.025 * rounds)], out[int(0.975 * rounds) - 1])
 
 
+def paired(base: Sequence[float], other: Sequence[float], rounds: int = 2000) -> dict[str, Any]:
+    """Paired comparison of two modes measured round by round (``base[i]`` next to
+    ``other[i]``, e.g. per-round medians): drift between rounds (load, frequency) cancels.
+
+    ``ratio``: median of the per-round ratios, with a 95 % bootstrap interval over rounds;
+    ``increase``: median of the per-round differences (``other - base``).
+    """
+    import random
+
+    if len(base) != len(other) or not base:
+        raise ValueError(
+            f"paired: need equally many rounds, got base={len(base)}, other={len(other)}"
+        )
+    ratios = [o / b for b, o in zip(base, other, strict=True)]
+    rng = random.Random(0)
+    boot = sorted(
+        statistics.median(ratios[rng.randrange(len(ratios))] for _ in ratios) for _ in range(rounds)
+    )
+    return {
+        "ratio": statistics.median(ratios),
+        "ratio_ci95": [boot[int(0.025 * rounds)], boot[int(0.975 * rounds) - 1]],
+        "increase": statistics.median(o - b for b, o in zip(base, other, strict=True)),
+    }
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown table (printed by the scripts and pasted into docs/BENCHMARKS.md)."""
 
