@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -184,18 +184,28 @@ def iqr(xs: Sequence[float]) -> tuple[float, float]:
     return (q[0], q[2])
 
 
-def ratio_ci(num: Sequence[float], den: Sequence[float], rounds: int = 2000) -> tuple[float, float]:
-    """95 % bootstrap interval of median(num) / median(den) (independent resamples)."""
+def _interval95(
+    estimate: Callable[[Callable[[Sequence[float]], list[float]]], float], rounds: int
+) -> tuple[float, float]:
+    """95 % percentile interval of ``estimate(resample)`` over ``rounds`` bootstrap rounds;
+    ``resample(xs)`` draws len(xs) values of xs with replacement (fixed seed)."""
     import random
 
     rng = random.Random(0)
-    out = []
-    for _ in range(rounds):
-        a = [num[rng.randrange(len(num))] for _ in num]
-        b = [den[rng.randrange(len(den))] for _ in den]
-        out.append(statistics.median(a) / statistics.median(b))
-    out.sort()
+
+    def resample(xs: Sequence[float]) -> list[float]:
+        return [xs[rng.randrange(len(xs))] for _ in xs]
+
+    out = sorted(estimate(resample) for _ in range(rounds))
     return (out[int(0.025 * rounds)], out[int(0.975 * rounds) - 1])
+
+
+def ratio_ci(num: Sequence[float], den: Sequence[float], rounds: int = 2000) -> tuple[float, float]:
+    """95 % bootstrap interval of median(num) / median(den) (independent resamples)."""
+    return _interval95(
+        lambda resample: statistics.median(resample(num)) / statistics.median(resample(den)),
+        rounds,
+    )
 
 
 def paired(base: Sequence[float], other: Sequence[float], rounds: int = 2000) -> dict[str, Any]:
@@ -205,20 +215,16 @@ def paired(base: Sequence[float], other: Sequence[float], rounds: int = 2000) ->
     ``ratio``: median of the per-round ratios, with a 95 % bootstrap interval over rounds;
     ``increase``: median of the per-round differences (``other - base``).
     """
-    import random
-
     if len(base) != len(other) or not base:
         raise ValueError(
             f"paired: need equally many rounds, got base={len(base)}, other={len(other)}"
         )
     ratios = [o / b for b, o in zip(base, other, strict=True)]
-    rng = random.Random(0)
-    boot = sorted(
-        statistics.median(ratios[rng.randrange(len(ratios))] for _ in ratios) for _ in range(rounds)
-    )
     return {
         "ratio": statistics.median(ratios),
-        "ratio_ci95": [boot[int(0.025 * rounds)], boot[int(0.975 * rounds) - 1]],
+        "ratio_ci95": list(
+            _interval95(lambda resample: statistics.median(resample(ratios)), rounds)
+        ),
         "increase": statistics.median(o - b for b, o in zip(base, other, strict=True)),
     }
 

@@ -120,7 +120,9 @@ def _applied(ucm_patch: Any) -> list[str]:
     )
 
 
-def _toggle_pairs(llm: Any, prompts: list[Any], params: Any, spec: dict[str, Any]) -> dict:
+def _toggle_pairs(
+    llm: Any, prompts: list[Any], params: Any, spec: dict[str, Any]
+) -> dict[str, Any]:
     """The same engine timed with one record switched off and on, call by call.
 
     Process-to-process noise (memory layout, thread placement: several % here) cancels:
