@@ -39,6 +39,8 @@ models: $(STAMP)
 	$(PY) scripts/make_tiny_model.py qwen3 $(MODELS)/tiny-qwen3
 	$(PY) scripts/make_tiny_model.py qwen3_sharp $(MODELS)/tiny-qwen3-sharp
 	$(PY) scripts/make_tiny_model.py qwen3_next $(MODELS)/tiny-qwen3-next
+	$(PY) scripts/make_tiny_model.py qwen3_next_3to1 $(MODELS)/tiny-qwen3-next-3to1
+	$(PY) scripts/make_tiny_model.py qwen3_next_mixed $(MODELS)/tiny-qwen3-next-mixed
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

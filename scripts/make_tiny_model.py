@@ -1,7 +1,15 @@
 """Build tiny random models locally (no hub access) for tests, the demo and benchmarks.
 
 Usage: python scripts/make_tiny_model.py KIND OUTDIR [--layers N] [--hidden H] [--seed S]
-KIND: qwen3 | qwen3_sharp | qwen3_next | qwen3_small (a larger Qwen3 for benchmarks).
+KIND: qwen3 | qwen3_sharp | qwen3_small (a larger Qwen3 for benchmarks), or one of the
+hybrid Qwen3-Next layouts in ``HYBRID_LAYOUTS`` (``G`` = GDN linear attention, ``A`` = full
+attention):
+
+* ``qwen3_next``: ``GA``, one GDN and one attention layer (one mamba KV-cache group);
+* ``qwen3_next_3to1``: ``GGGA GGGA``, the released checkpoints' 3:1 ratio
+  (``full_attention_interval=4``) with two attention layers, so vLLM's hybrid manager
+  forms several mamba groups, as it does for Qwen3-Next-80B (36 GDN + 12 attention);
+* ``qwen3_next_mixed``: ``GAGGA``, an uneven mix (groups of different fill).
 
 Constraints found on vLLM CPU (see shared reference cpu-vllm.md): attention head size
 must be one the CPU backend supports (32 here); Qwen3-Next needs bf16 and linear-attention
@@ -28,7 +36,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-RECIPE = 2  # bump when a change must rebuild existing models
+RECIPE = 3  # bump when a change must rebuild existing models
+
+HYBRID_LAYOUTS = {"qwen3_next": "GA", "qwen3_next_3to1": "GGGAGGGA", "qwen3_next_mixed": "GAGGA"}
 
 CORPUS = [
     "hello world this is a tiny test",
@@ -90,8 +100,14 @@ def build(kind: str, out: Path, layers: int | None, hidden: int | None, seed: in
     if kind == "qwen3_sharp":
         model_type = "qwen3"
         common.update(initializer_range=0.2)
-    if kind == "qwen3_next":
-        n = layers or 2
+    if kind in HYBRID_LAYOUTS:
+        model_type = "qwen3_next"
+        layout = HYBRID_LAYOUTS[kind]
+        if layers is not None and layers != len(layout):
+            raise SystemExit(f"--layers {layers}: {kind} has the fixed layout {layout!r}")
+        # A long context lets tests force a block size of several times vLLM's own (hybrid
+        # blocks are large: the attention page must hold a whole GDN state).
+        common.update(num_hidden_layers=len(layout), max_position_embeddings=16384)
         extra = dict(
             num_experts=4,
             num_experts_per_tok=2,
@@ -103,8 +119,7 @@ def build(kind: str, out: Path, layers: int | None, hidden: int | None, seed: in
             linear_key_head_dim=128,
             linear_value_head_dim=128,
             linear_conv_kernel_dim=4,
-            full_attention_interval=2,
-            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            layer_types=["linear_attention" if c == "G" else "full_attention" for c in layout],
             tie_word_embeddings=False,
             initializer_range=0.2,
         )
@@ -124,7 +139,7 @@ def built_by_this_recipe(out: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=["qwen3", "qwen3_sharp", "qwen3_next", "qwen3_small"])
+    ap.add_argument("kind", choices=["qwen3", "qwen3_sharp", "qwen3_small", *HYBRID_LAYOUTS])
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--hidden", type=int, default=None)

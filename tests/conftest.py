@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from tests.fakes_store import FakeStore
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_RECIPE = 2  # scripts/make_tiny_model.py RECIPE
+TINY_RECIPE = 3  # scripts/make_tiny_model.py RECIPE
 MODELS = REPO / "models"
 PY = sys.executable
 
@@ -104,6 +104,18 @@ def tiny_qwen3_sharp() -> Path:
 def tiny_qwen3_next() -> Path:
     """Tiny random Qwen3-Next (layer 0 GDN linear attention, layer 1 full attention)."""
     return _tiny("qwen3_next", "tiny-qwen3-next")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_3to1() -> Path:
+    """Tiny Qwen3-Next laid out like the released checkpoints: ``GGGA GGGA`` (3:1)."""
+    return _tiny("qwen3_next_3to1", "tiny-qwen3-next-3to1")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_mixed() -> Path:
+    """Tiny Qwen3-Next with an uneven layout: ``GAGGA``."""
+    return _tiny("qwen3_next_mixed", "tiny-qwen3-next-mixed")
 
 
 @pytest.fixture

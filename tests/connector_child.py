@@ -20,12 +20,26 @@ returns the parsed output. A spec is ``{"model": path, "extra": kv_connector_ext
 * ``{"op": "corrupt", "count": n}``: flip a payload byte in ``n`` stored files (local
   store), so a later load fails its checksum;
 * ``{"op": "sizes"}``: record internal map sizes (connector sides, scheduler, block pool).
+* ``{"op": "reset"}``: ``reset_prefix_cache()`` alone (no step in between);
+  ``{"op": "release"}``: :func:`ucm_patch.connector.release_finished`, then the reset.
 * ``{"op": "stress", "requests": [{"id", "prompt", "max_tokens", "abort_at"}],
   "inflight": n}``: drive the engine step by step (``LLMEngine.add_request`` / ``step``
   / ``abort_request``) with up to ``n`` requests outstanding; a request whose
   ``abort_at`` is not None is aborted once it has that many output tokens (0: right
   after the step that follows its arrival, possibly still waiting). Records every
   finished request's tokens, the aborted ids and how often vLLM preempted.
+
+Other spec keys: ``block_size`` (vLLM's ``--block-size``; hybrid models round it up to fit
+the mamba page), ``mamba_copy`` (``"record"``: log mamba align copies and ``start_load_kv``
+calls in order; ``"deferred"``: also run each copy after ``start_load_kv``, the order
+vLLM-Ascend >= 0.21 uses), ``force_sync_loads`` (load hybrid states inside the forward step,
+which the connector refuses in production, to show what the copy does to them).
+
+Every connected run reports ``layout`` (the connector's groups and hit unit), ``vllm``
+(the block sizes vLLM chose at run time) and ``state_boundaries`` (group -> token boundaries
+whose mamba state was dumped), so tests derive expected numbers instead of typing them in.
+``python -m tests.connector_child --chain SPEC OUT [SPEC OUT ...]`` runs several specs one
+after another, each in a fresh interpreter (the Mooncake runs share one namespace that way).
 """
 
 from __future__ import annotations
@@ -81,6 +95,29 @@ def run_child(
     return result
 
 
+def run_children(
+    specs: list[tuple[str, dict[str, Any]]],
+    tmp: Path,
+    *,
+    netns: bool = False,
+    timeout: float = 1200,
+) -> dict[str, dict[str, Any]]:
+    """Run ``(name, spec)`` pairs one after another, each in a fresh child interpreter.
+
+    With ``netns`` they share one network namespace (one Mooncake master and storage node),
+    so a later process reads what an earlier one stored."""
+    if not netns:
+        return {name: run_child(spec, tmp, name) for name, spec in specs}
+    args: list[str] = []
+    for name, spec in specs:
+        (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
+        args += [str(tmp / f"{name}.spec.json"), str(tmp / f"{name}.out.json")]
+    chain = {"chain": args}
+    return {"chain": run_child(chain, tmp, "chain", netns=True, timeout=timeout)} | {
+        name: json.loads((tmp / f"{name}.out.json").read_text()) for name, _spec in specs
+    }
+
+
 def prompt(seed: int, n: int) -> list[int]:
     """``n`` deterministic token ids in [4, 1000) (the tiny vocab is 1024)."""
     import random
@@ -99,6 +136,8 @@ def _llm(spec: dict[str, Any]) -> Any:
     kwargs: dict[str, Any] = {}
     if spec.get("hybrid"):
         kwargs["disable_hybrid_kv_cache_manager"] = False
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
     extra = spec.get("extra")
     if extra is not None:
         # "$NAME" values come from the environment (the Mooncake master's address is only
@@ -268,6 +307,143 @@ def _stress(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _reset(llm: Any, release: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if release:
+        from ucm_patch import connector
+
+        out["released"] = connector.release_finished(llm)
+    out["reset"] = llm.reset_prefix_cache()
+    return out
+
+
+class _Observer:
+    """What a connected child reports besides outputs: stored state boundaries, copy order.
+
+    Test-side instrumentation: it wraps vLLM's and the connector's public methods in this
+    process only."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.state_boundaries: dict[int, set[int]] = {}
+        self.order: list[list[Any]] = []
+        self.step = 0
+        if spec.get("extra") is None:
+            return
+        from ucm_patch import connector, connector_scheduler
+
+        if spec.get("force_sync_loads"):
+            connector_scheduler.choose_load_async = lambda _layout, _mode: False
+        cls = connector.UCMPatchConnector
+        build, start = cls.build_connector_meta, cls.start_load_kv
+        observer = self
+
+        def build_connector_meta(self: Any, so: Any) -> Any:
+            md = build(self, so)
+            observer.step += 1
+            observer.record_states(self, so, md)
+            return md
+
+        cls.build_connector_meta = build_connector_meta  # type: ignore[method-assign]
+        mode = spec.get("mamba_copy")
+        if not mode:
+            return
+        from contextlib import contextmanager
+
+        from vllm.v1.worker import mamba_utils
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+        mixin = KVConnectorModelRunnerMixin
+        copy, connector_context = mamba_utils.do_mamba_copy_block, mixin._get_kv_connector_output
+        pending: list[Any] = []
+
+        def do_mamba_copy_block(bufs: Any) -> None:
+            if bufs.offset:
+                observer.order.append(["copy", observer.step])
+            if mode == "deferred":
+                pending.append(bufs)
+            else:
+                copy(bufs)
+
+        def start_load_kv(self: Any, forward_context: Any, **kwargs: Any) -> None:
+            observer.order.append(["start_load_kv", observer.step])
+            start(self, forward_context, **kwargs)
+
+        @contextmanager
+        def kv_connector_output(*args: Any, **kwargs: Any) -> Any:
+            # vLLM's connector context: a step's sync loads start on entry, then the
+            # forward runs in its body. vLLM-Ascend >= 0.21 runs the mamba copy first
+            # thing in that body ("deferred").
+            with connector_context(*args, **kwargs) as output:
+                while pending:
+                    copy(pending.pop())
+                observer.order.append(["forward", observer.step])
+                yield output
+
+        mamba_utils.do_mamba_copy_block = do_mamba_copy_block
+        cls.start_load_kv = start_load_kv  # type: ignore[method-assign]
+        mixin._get_kv_connector_output = staticmethod(kv_connector_output)
+
+    def record_states(self, conn: Any, so: Any, md: Any) -> None:
+        """group -> boundary (tokens) of every mamba state this step's metadata dumps."""
+        layout = conn.layout
+        mamba = {g.index for g in layout.mamba_groups}
+        if not mamba:
+            return
+        for rid, entries in md.dumps.items():
+            hashes = [h.hex() for h in _scheduler_request(rid).block_hashes]
+            for gid, _bid, block_hash in entries:
+                if gid in mamba:
+                    boundary = (hashes.index(block_hash) + 1) * layout.hash_block_size
+                    self.state_boundaries.setdefault(gid, set()).add(boundary)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "state_boundaries": {str(g): sorted(b) for g, b in self.state_boundaries.items()},
+            "order": self.order,
+        }
+
+
+_LLM: Any = None
+
+
+def _scheduler_request(rid: str) -> Any:
+    return _LLM.llm_engine.engine_core.engine_core.scheduler.requests[rid]
+
+
+def _layout_report(llm: Any) -> dict[str, Any]:
+    """The connector's layout and the block sizes vLLM chose for this run."""
+    config = llm.llm_engine.vllm_config
+    cache = config.cache_config
+    out: dict[str, Any] = {
+        "vllm": {
+            "block_size": cache.block_size,
+            "mamba_block_size": cache.mamba_block_size,
+            "mamba_cache_mode": cache.mamba_cache_mode,
+            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        }
+    }
+    from ucm_patch import connector
+
+    found = connector.active_connectors()
+    if found:
+        layout = found[0].layout
+        out["layout"] = {
+            "unit": layout.unit,
+            "hash_block_size": layout.hash_block_size,
+            "groups": [
+                {
+                    "index": g.index,
+                    "kind": g.kind,
+                    "block_size": g.block_size,
+                    "layers": list(g.layers),
+                    "rows": len(layout.rows_of_group[g.index]),
+                }
+                for g in layout.groups
+            ],
+        }
+    return out
+
+
 def _sizes(llm: Any, connected: bool) -> dict[str, Any]:
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
@@ -311,11 +487,29 @@ def _layer_calls() -> dict[str, Any]:
     }
 
 
+def _chain(args: list[str]) -> dict[str, Any]:
+    """Run each (spec, out) pair in a fresh interpreter, in order; stop at the first failure."""
+    runs = []
+    for spec_path, out_path in zip(args[::2], args[1::2], strict=True):
+        cmd = [PYTHON, "-m", "tests.connector_child", spec_path, out_path]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        runs.append({"spec": spec_path, "rc": proc.returncode})
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr[-8000:])
+            raise SystemExit(f"chained child {spec_path} failed (rc={proc.returncode})")
+    return {"runs": runs}
+
+
 def main(argv: list[str]) -> int:
+    global _LLM
     spec_path, out_path = argv
     spec = json.loads(Path(spec_path).read_text())
+    if "chain" in spec:
+        Path(out_path).write_text(json.dumps(_chain(spec["chain"])))
+        return 0
     connected = spec.get("extra") is not None
-    llm = _llm(spec)
+    observer = _Observer(spec)
+    llm = _LLM = _llm(spec)
     results: dict[str, Any] = {}
     for i, step in enumerate(spec["steps"]):
         op = step["op"]
@@ -330,11 +524,15 @@ def main(argv: list[str]) -> int:
             results[name] = _stress(llm, step)
         elif op == "sizes":
             results[name] = _sizes(llm, connected)
+        elif op in ("reset", "release"):
+            results[name] = _reset(llm, op == "release")
         else:
             raise ValueError(f"unknown step op {op!r}")
     if connected and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":
         results["layer_calls"] = _layer_calls()
         results["final_stats"] = _stats(True)
+        results.update(observer.report())
+    results.update(_layout_report(llm))
     Path(out_path).write_text(json.dumps(results))
     return 0
 

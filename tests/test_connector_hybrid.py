@@ -124,3 +124,36 @@ def test_state_without_destination_fails_the_load(store: FakeStore) -> None:
     while "b" not in {r for s in h.recved for r in s} and time.monotonic() < deadline:
         h.step(so())
     assert {r for s in h.failed_recv for r in s} == {"b"}  # recomputed, never garbage
+
+
+def test_each_mamba_group_dumps_its_state_at_a_shared_boundary(store: FakeStore) -> None:
+    """A 3:1 checkpoint forms several mamba groups; vLLM offers the same boundary once per
+    group. Each group's state must be planned (one stored-up-to mark per group), or a
+    lookup, which needs every group's state, never hits."""
+    from ucm_patch.connector_config import parse_connector_config
+    from ucm_patch.connector_layout import ATTENTION, MAMBA, GroupInfo, KVLayout
+    from ucm_patch.connector_scheduler import SchedulerSide
+    from ucm_patch.hooks.rows import RowMap
+
+    names = [[f"g{g}.l{i}" for i in range(2)] for g in range(3)] + [["a.l0", "a.l1"]]
+    groups = [
+        GroupInfo(g, MAMBA if g < 3 else ATTENTION, 8, 64, tuple(names[g]), "Spec")
+        for g in range(4)
+    ]
+    rows = RowMap([[n[i] for n in names] for i in range(2)])
+    layout = KVLayout(groups, rows, 8, 1, {"model": "m"})
+    side = SchedulerSide(layout, parse_connector_config({}), store, can_load=True, can_dump=True)
+    req = Req("r", TOKENS, block_size=8)
+    tables = {"r": ([0, 3], [0, 4], [0, 5], [6, 7])}
+    side.update_state_after_alloc(req, blocks(*tables["r"]), 0)
+    offers = {"r": [(0, 3, 16), (1, 4, 16), (2, 5, 16)]}
+    md = side.build_connector_meta(
+        so(
+            [new_req("r", tables["r"], 0)],
+            scheduled={"r": 17},
+            block_state=block_state(tables, offers),
+        )
+    )
+    states = sorted((g, bid) for g, bid, _h in md.dumps["r"] if g < 3)
+    assert states == [(0, 3), (1, 4), (2, 5)]
+    assert {h for g, _b, h in md.dumps["r"] if g < 3} == {req.block_hashes[1].hex()}

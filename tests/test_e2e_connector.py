@@ -27,8 +27,7 @@ import pytest
 
 from tests.connector_child import prompt, run_child
 
-BLOCK = 128  # vLLM CPU block size for the tiny Qwen3
-PREFIX = prompt(1, 300)  # two full blocks (256 tokens) + a partial one
+PREFIX = prompt(1, 300)  # full blocks + a partial one (vLLM CPU picks 128-token blocks)
 R1 = [*PREFIX, 5, 6, 7]
 R2 = [*PREFIX, 8, 9, 10, 11]
 R3 = [*PREFIX, 12, 13]
@@ -106,10 +105,18 @@ def delta(run: dict[str, Any], before: str, after: str, key: str) -> int:
     return run[after]["stats"][key] - run[before]["stats"][key]
 
 
+def prefix_hit(run: dict[str, Any], tokens: int = len(PREFIX)) -> int:
+    """Tokens of ``tokens`` in whole blocks of the block size vLLM chose for ``run``."""
+    block = run["vllm"]["block_size"]
+    assert run["layout"]["unit"] == block
+    return tokens // block * block
+
+
 def test_request1_dumps_its_full_blocks(local_run: dict[str, Any]) -> None:
     r1 = local_run["r1"]["stats"]
     assert r1["hit_tokens"] == 0
-    assert r1["dump_blocks"] == len(R1) // BLOCK == 2
+    assert r1["dump_blocks"] == prefix_hit(local_run, len(R1)) // local_run["vllm"]["block_size"]
+    assert r1["dump_blocks"] >= 2
     assert r1["dumps_completed"] >= 2  # one dump task per storage row (2 layers)
     assert r1["dumps_failed"] == r1["dumps_skipped"] == 0
     assert local_run["flush1"]["reset"], "vLLM's prefix cache could not be reset: blocks leaked"
@@ -119,8 +126,8 @@ def test_request2_loads_prefix_layerwise_and_matches_recompute(
     local_run: dict[str, Any], plain_run: dict[str, Any]
 ) -> None:
     r2 = local_run["r2"]
-    assert r2["num_cached_tokens"] == 2 * BLOCK
-    assert delta(local_run, "r1", "r2", "hit_tokens") == 2 * BLOCK
+    assert r2["num_cached_tokens"] == prefix_hit(local_run) > 0
+    assert delta(local_run, "r1", "r2", "hit_tokens") == prefix_hit(local_run)
     # Loaded row by row inside the forward, waited for in wait_for_layer_load (both rows).
     assert delta(local_run, "r1", "r2", "loads_layerwise") == 1
     assert delta(local_run, "r1", "r2", "rows_waited_in_layer") == 2
@@ -144,7 +151,7 @@ def test_corrupt_values_fail_the_load_and_vllm_recomputes(
     same_output(local_run["r3"], local_run["r3_recomputed"])
     same_output(local_run["r3"], plain_run["r3"])
     # The recomputed blocks were dumped again, so the prefix hits once more.
-    assert delta(local_run, "r3_recomputed", "r2_again", "hit_tokens") == 2 * BLOCK
+    assert delta(local_run, "r3_recomputed", "r2_again", "hit_tokens") == prefix_hit(local_run)
     same_output(local_run["r2_again"], plain_run["r2"])
 
 
@@ -167,8 +174,8 @@ def test_new_process_hits_through_multiconnector(
     restart_run: dict[str, Any], plain_run: dict[str, Any]
 ) -> None:
     r2 = restart_run["r2"]
-    assert r2["num_cached_tokens"] == 2 * BLOCK
-    assert r2["stats"]["hit_tokens"] == 2 * BLOCK
+    assert r2["num_cached_tokens"] == prefix_hit(restart_run) > 0
+    assert r2["stats"]["hit_tokens"] == prefix_hit(restart_run)
     # First load of a fresh process: no layer has shown its hook yet -> loaded in full
     # in start_load_kv (never waited for by a hook that might not fire).
     assert r2["stats"]["loads_sync_fallback"] == 1
@@ -177,7 +184,7 @@ def test_new_process_hits_through_multiconnector(
 
 def test_multiconnector_counts_delayed_frees(restart_run: dict[str, Any]) -> None:
     r4 = restart_run["r4"]["stats"]
-    assert r4["dump_blocks"] == 2
+    assert r4["dump_blocks"] == len(R4) // restart_run["vllm"]["block_size"] >= 2
     final = restart_run["final_stats"]
     # Every request our child delayed was reported finished_sending exactly once, and
     # MultiConnector freed it: no request left in the scheduler, every block free.
@@ -213,7 +220,9 @@ def test_multiprocess_layout_hits_and_releases_blocks(multiprocess_run: dict[str
     # reset_prefix_cache succeeds only once no block is held: delayed frees and pins were
     # reported back from the worker process and released by the engine-core process.
     assert multiprocess_run["flush1"]["reset"]
-    assert multiprocess_run["r2"]["num_cached_tokens"] == 2 * BLOCK
+    # (worker processes: the child cannot read the layout; the engine's block size it can)
+    block = multiprocess_run["vllm"]["block_size"]
+    assert multiprocess_run["r2"]["num_cached_tokens"] == len(PREFIX) // block * block > 0
     assert multiprocess_run["r2_recomputed"]["num_cached_tokens"] == 0
     same_output(multiprocess_run["r2"], multiprocess_run["r2_recomputed"])
     assert multiprocess_run["flush2"]["reset"]

@@ -16,7 +16,6 @@ import pytest
 
 from tests.connector_child import prompt, run_child
 
-BLOCK = 128
 PREFIX = prompt(1, 300)
 R1 = [*PREFIX, 5, 6, 7]
 R2 = [*PREFIX, 8, 9, 10, 11]
@@ -47,13 +46,16 @@ def mooncake_run(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_mooncake_request2_hits_and_matches_recompute(mooncake_run: dict[str, Any]) -> None:
+    block = mooncake_run["vllm"]["block_size"]
+    hit = len(PREFIX) // block * block
     r1 = mooncake_run["r1"]["stats"]
-    assert r1["dump_blocks"] == 2
+    assert r1["dump_blocks"] == len(R1) // block >= 2
     assert r1["dumps_failed"] == r1["dumps_skipped"] == 0
     r2 = mooncake_run["r2"]
-    assert r2["num_cached_tokens"] == 2 * BLOCK
-    assert r2["stats"]["hit_tokens"] == 2 * BLOCK
-    assert r2["stats"]["loaded_pages"] == 4
+    assert r2["num_cached_tokens"] == hit
+    assert r2["stats"]["hit_tokens"] == hit
+    rows = {g["rows"] for g in mooncake_run["layout"]["groups"]}
+    assert r2["stats"]["loaded_pages"] == hit // block * rows.pop()
     assert r2["stats"]["load_errors"] == 0
     recomputed = mooncake_run["r2_recomputed"]
     assert recomputed["num_cached_tokens"] == 0

@@ -158,6 +158,12 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
     # ==================================================================================
     # Worker side
     # ==================================================================================
+    def layer_calls(self) -> dict[str, dict[str, int]]:
+        """Worker side: ``{"wait": {layer: calls}, "save": {layer: calls}}`` seen so far
+        (which layers the patches or vLLM's own hooks reach; demo and tests)."""
+        worker = self._side(self._worker_side, "layer_calls")
+        return {"wait": dict(worker.wait_calls), "save": dict(worker.save_calls)}
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._side(self._worker_side, "register_kv_caches").register_kv_caches(kv_caches)
 
@@ -315,6 +321,33 @@ def wait_for_dumps(timeout: float = 30.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.005)
+    return True
+
+
+def release_finished(llm: Any, timeout: float = 30.0) -> bool:
+    """Let an offline ``vllm.LLM`` free the blocks of requests whose dumps outlived them.
+
+    A finished request whose dumps still read its blocks is freed by vLLM only once a
+    worker reports it in ``finished_sending``, and that report travels with an engine step.
+    vLLM's engine-core process keeps stepping while it holds such requests
+    (``Scheduler.has_requests``), so servers need nothing. An in-process engine (``LLM``
+    with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) steps only inside ``generate``: right after
+    it returns, ``llm.reset_prefix_cache()`` is False while the last request's blocks are
+    held. This waits for this process's dumps and runs empty engine steps until vLLM holds
+    no finished request. Returns True once none is held (at once for an engine-core
+    process, which releases them by itself), False when ``timeout`` (seconds) ran out.
+    """
+    engine = getattr(llm, "llm_engine", llm)
+    core = getattr(engine.engine_core, "engine_core", None)  # vLLM's InprocClient
+    if core is None:
+        return True
+    scheduler = core.scheduler
+    deadline = time.monotonic() + timeout
+    while scheduler.has_finished_requests():
+        if time.monotonic() > deadline:
+            return False
+        wait_for_dumps(max(0.0, deadline - time.monotonic()))
+        engine.step()
     return True
 
 

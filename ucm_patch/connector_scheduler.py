@@ -69,8 +69,12 @@ class _Req:
         self.request = request
         #: attention group -> first block index not yet stored or planned
         self.next_block = {g.index: 0 for g in layout.attention_groups}
-        #: Mamba boundaries (tokens) up to this one are stored, planned or loaded
-        self.state_done = 0
+        #: mamba group -> boundaries (tokens) up to this one are stored, planned or loaded.
+        #: One mark per group: vLLM offers the same boundary once per mamba group (a
+        #: checkpoint's GDN layers form several groups), and a lookup needs every group's
+        #: state at a boundary, so one shared mark would keep all but the first group's
+        #: state from ever being dumped.
+        self.state_done = {g.index: 0 for g in layout.mamba_groups}
 
 
 def choose_load_async(layout: KVLayout, load_mode: str) -> bool:
@@ -236,7 +240,7 @@ class SchedulerSide:
             # An entry with no destination is a load failure on the worker (never a
             # silently skipped state).
             entries.append((g.index, (dst,) if dst != NULL_BLOCK else (), h))
-        st.state_done = max(st.state_done, end)
+            st.state_done[g.index] = max(st.state_done[g.index], end)
         return entries
 
     # ---------------------------------------------------------------------------------
@@ -307,8 +311,10 @@ class SchedulerSide:
             limit = computed // g.block_size
             if st.next_block[g.index] > limit:
                 st.next_block[g.index] = limit
-        if st.state_done > computed:
-            st.state_done = computed
+        done = st.state_done
+        for gid, boundary in done.items():
+            if boundary > computed:
+                done[gid] = computed
 
     def _attention_dumps(self, st: _Req, ids: tuple[list[int], ...], end: int) -> list[DumpEntry]:
         layout = self.layout
@@ -327,19 +333,19 @@ class SchedulerSide:
     def _state_dumps(self, st: _Req, items: Iterable[tuple[int, int, int]]) -> list[DumpEntry]:
         layout = self.layout
         hashes = st.request.block_hashes
+        done = st.state_done
         out: list[DumpEntry] = []
         for gid, bid, boundary in items:
-            g = layout.group_by_index.get(gid)
-            if g is None or g.kind != "mamba" or bid == NULL_BLOCK:
-                continue
+            if gid not in done or bid == NULL_BLOCK:
+                continue  # not a mamba group we transfer, or a skipped state
             # Only unit-aligned states can complete a lookup; sub-block states are skipped.
-            if boundary <= st.state_done or boundary % layout.unit:
+            if boundary <= done[gid] or boundary % layout.unit:
                 continue
             hidx = boundary // layout.hash_block_size - 1
             if hidx >= len(hashes):
                 continue
             out.append((gid, bid, hash_hex(hashes[hidx])))
-            st.state_done = boundary
+            done[gid] = boundary
         return out
 
     def _block_ids(self, rid: str, block_state: Any) -> tuple[list[int], ...] | None:
