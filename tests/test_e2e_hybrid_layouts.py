@@ -4,9 +4,9 @@ Real vLLM CPU 0.32, three tiny untied Qwen3-Next layouts (scripts/make_tiny_mode
 ``GA`` (one mamba group), ``GGGA GGGA`` (the released checkpoints' 3:1 ratio, several
 mamba groups) and ``GAGGA`` (uneven). For each, three interpreters in a row:
 
-* ``dump``: computes ``PREFIX + R1_TAIL`` with the connector, dumping every full
+* ``dump``: computes ``R1`` (``PREFIX`` + a tail) with the connector, dumping every full
   attention block and the GDN/Mamba states vLLM offers at block boundaries;
-* ``load``: a fresh process on the same store computes ``PREFIX + R2_TAIL``;
+* ``load``: a fresh process on the same store computes ``R2`` (``PREFIX`` + another tail);
 * ``plain``: the same request without the connector.
 
 Nothing about sizes is typed in: the block size, the hit unit, the groups and their rows
@@ -51,8 +51,8 @@ def spec(model: Path, extra: dict[str, Any] | None, ids: list[int], **opts: Any)
     return {"model": str(model), "hybrid": True, "extra": extra, "steps": [gen("r", ids)], **opts}
 
 
-def local(tmp: Path, **more: Any) -> dict[str, Any]:
-    return {"store": "local", "local_path": str(tmp / "store"), "load_mode": "async", **more}
+def local(tmp: Path) -> dict[str, Any]:
+    return {"store": "local", "local_path": str(tmp / "store"), "load_mode": "async"}
 
 
 def three_runs(
