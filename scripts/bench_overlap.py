@@ -315,7 +315,7 @@ def child(spec_path: str, out_path: str) -> int:
     nbytes_put = [0]
     with tempfile.TemporaryDirectory(prefix="bench-overlap-", dir=spec.get("tmp")) as tmp:
         if spec["connector"] == "ucm":
-            from ucm_patch import connector
+            from ucm_patch.connector import kv_connector as connector
 
             orig_make = connector.make_store
             holder: dict[str, Any] = {}
@@ -435,7 +435,7 @@ def child(spec_path: str, out_path: str) -> int:
 def _bytes_written(spec: dict[str, Any], holder: dict[str, Any] | None) -> int:
     if holder is None:
         return 0
-    from ucm_patch import connector
+    from ucm_patch.connector import kv_connector as connector
 
     connector.wait_for_dumps(60)
     return int(holder["store"].inner.stats["bytes_written"])

@@ -124,7 +124,8 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeStore]:
     process uses, with the process-wide state (store cache, dump scheduler, counters)
     reset before and after; held puts are released at the end."""
     from tests.fakes_store import FakeStore
-    from ucm_patch import connector, connector_stats
+    from ucm_patch.connector import counters as connector_stats
+    from ucm_patch.connector import kv_connector as connector
     from ucm_patch.hooks.scheduler import reset_scheduler
 
     fake = FakeStore()

@@ -329,7 +329,8 @@ class _Observer:
         self.step = 0
         if spec.get("extra") is None:
             return
-        from ucm_patch import connector, connector_scheduler
+        from ucm_patch import connector
+        from ucm_patch.connector import scheduler_side as connector_scheduler
 
         if spec.get("force_sync_loads"):
             connector_scheduler.choose_load_async = lambda _layout, _mode: False

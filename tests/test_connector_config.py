@@ -28,13 +28,13 @@ from vllm.v1.kv_cache_interface import (
 from tests.connector_harness import kv_cache_config, vllm_config
 from tests.fakes_store import FakeStore
 from ucm_patch.connector import UCMPatchConnector, register_with_vllm
-from ucm_patch.connector_config import (
+from ucm_patch.connector.config import (
     CONNECTOR_KEYS,
     ConnectorConfigError,
     parse_connector_config,
 )
-from ucm_patch.connector_layout import KVLayout, LayoutError
-from ucm_patch.connector_scheduler import choose_load_async
+from ucm_patch.connector.layout import KVLayout, LayoutError
+from ucm_patch.connector.scheduler_side import choose_load_async
 
 
 # -- configuration ------------------------------------------------------------------------

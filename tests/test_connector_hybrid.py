@@ -130,10 +130,10 @@ def test_each_mamba_group_dumps_its_state_at_a_shared_boundary(store: FakeStore)
     """A 3:1 checkpoint forms several mamba groups; vLLM offers the same boundary once per
     group. Each group's state must be planned (one stored-up-to mark per group), or a
     lookup, which needs every group's state, never hits."""
-    from ucm_patch.connector_config import parse_connector_config
-    from ucm_patch.connector_layout import ATTENTION, MAMBA, GroupInfo, KVLayout
-    from ucm_patch.connector_scheduler import SchedulerSide
-    from ucm_patch.hooks.rows import RowMap
+    from ucm_patch.connector.config import parse_connector_config
+    from ucm_patch.connector.layout import ATTENTION, MAMBA, GroupInfo, KVLayout
+    from ucm_patch.connector.scheduler_side import SchedulerSide
+    from ucm_patch.connector.rows import RowMap
 
     names = [[f"g{g}.l{i}" for i in range(2)] for g in range(3)] + [["a.l0", "a.l1"]]
     groups = [

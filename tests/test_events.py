@@ -257,7 +257,7 @@ def test_hooks_modules_import_neither_torch_nor_vllm() -> None:
     """Binding is lazy: importing the scheduler stack must not pull torch or vLLM in."""
     code = (
         "import sys\n"
-        "import ucm_patch.hooks.scheduler, ucm_patch.hooks.rows, ucm_patch.hooks.device_npu\n"
+        "import ucm_patch.hooks.scheduler, ucm_patch.connector.rows, ucm_patch.hooks.device_npu\n"
         "bad = sorted(m for m in ('torch', 'vllm', 'torch_npu', 'acl', 'prometheus_client')"
         " if m in sys.modules)\n"
         "print(bad)\n"

@@ -30,7 +30,7 @@ from tests.connector_harness import LAYERS, Harness, Req, blocks, new_req
 from tests.connector_harness import sched_output as so
 from ucm_patch import connector, guard, trampoline
 from ucm_patch.connector import UCMPatchConnector
-from ucm_patch.connector_worker import WorkerSide
+from ucm_patch.connector.worker_side import WorkerSide
 from ucm_patch.hooks import layerwise
 from ucm_patch.hooks.events import EventLedger
 from ucm_patch.hooks.scheduler import DumpScheduler

@@ -321,7 +321,7 @@ BAD_EXTRA = """
 import sys
 from vllm import LLM
 from vllm.config import KVTransferConfig
-from ucm_patch.connector_config import ConnectorConfigError
+from ucm_patch.connector.config import ConnectorConfigError
 
 if __name__ == "__main__":
     try:

@@ -11,7 +11,7 @@ Storage layout (docs/CONNECTOR.md "Keys and rows"):
   (full attention, MLA, sliding window) store one page per block. Mamba/GDN groups hold a
   recurrent *state*: the page of block ``i`` is the state after token ``(i + 1) * block``,
   which exists only where a scheduler step ended on that boundary (vLLM's "align" mode).
-* **Storage rows** (:mod:`ucm_patch.hooks.rows`): layers whose pages alias the same bytes.
+* **Storage rows** (:mod:`ucm_patch.connector.rows`): layers whose pages alias the same bytes.
   One row holds at most one layer per group, so "row ``r``, block id ``b``" names exactly
   one layer's page; a dump reads it once, at the row's last layer.
 * **Keys**: ``ucm1/<fingerprint>/<block hash>/g<group>r<row>t<tp rank>``. The block hash is
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_patch.hooks.rows import RowMap
+from ucm_patch.connector.rows import RowMap
 
 KEY_VERSION = "ucm1"
 ATTENTION = "attention"

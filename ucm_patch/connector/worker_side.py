@@ -7,7 +7,7 @@ page is moved as raw bytes whatever the layer kind (attention KV, GDN conv + SSM
 **Dumps.** ``bind_connector_metadata`` opens one :class:`~ucm_patch.hooks.scheduler.Batch`
 per step for the requests with dump entries and precomputes each row's keys and block
 indices (once per step, not per layer). ``save_kv_layer`` at a row's last layer submits the
-row (:func:`ucm_patch.hooks.rows.RowMap.dump_row`: one dict lookup on the hot path); rows
+row (:func:`ucm_patch.connector.rows.RowMap.dump_row`: one dict lookup on the hot path); rows
 whose last layer never called ``save_kv_layer`` are submitted in ``wait_for_save``, after
 the whole forward, so a layer without hooks never makes a block half-stored. When the
 scheduler pinned the blocks (``metadata.pinned``) the copy runs on a dump thread after the
@@ -15,7 +15,7 @@ layer's event; otherwise it is taken before ``save_kv_layer`` returns.
 
 **Loads.** Layerwise: ``start_load_kv`` starts ``load_prefetch_rows`` rows on the load
 threads, ``wait_for_layer_load`` waits only for the layer's row
-(:class:`~ucm_patch.hooks.rows.RowLoader`). A row holding a layer that was never seen
+(:class:`~ucm_patch.connector.rows.RowLoader`). A row holding a layer that was never seen
 calling ``wait_for_layer_load`` in this process (no hook on that layer, or the first step of
 a new process) is loaded completely in ``start_load_kv`` instead: a load is never
 "waited for" by a hook that does not fire. Async: each request loads on the load threads
@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from ucm_patch import connector_stats as stats
-from ucm_patch.connector_config import ConnectorConfig
-from ucm_patch.connector_layout import KVLayout
-from ucm_patch.connector_meta import RequestLoad, UCMConnectorMetadata, UCMWorkerMetadata
-from ucm_patch.hooks.rows import RowLoader
+from ucm_patch.connector import counters as stats
+from ucm_patch.connector.config import ConnectorConfig
+from ucm_patch.connector.layout import KVLayout
+from ucm_patch.connector.meta import RequestLoad, UCMConnectorMetadata, UCMWorkerMetadata
+from ucm_patch.connector.rows import RowLoader
 from ucm_patch.hooks.scheduler import Batch, DumpScheduler, get_scheduler
 from ucm_patch.hooks.stores.base import KVStore, StoreError
 

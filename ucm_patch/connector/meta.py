@@ -1,6 +1,6 @@
 """What the scheduler side tells the workers each step, and what the workers report back.
 
-Plain data, built once per step by :class:`ucm_patch.connector_scheduler.SchedulerSide`
+Plain data, built once per step by :class:`ucm_patch.connector.scheduler_side.SchedulerSide`
 and pickled to every worker (vLLM sends ``SchedulerOutput`` to worker processes). Entries
 are tuples, not objects, to keep that pickle small.
 

@@ -42,10 +42,10 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from ucm_patch import connector_stats as stats
-from ucm_patch.connector_config import ConnectorConfig, ConnectorConfigError
-from ucm_patch.connector_layout import KVLayout, hash_hex
-from ucm_patch.connector_meta import (
+from ucm_patch.connector import counters as stats
+from ucm_patch.connector.config import ConnectorConfig, ConnectorConfigError
+from ucm_patch.connector.layout import KVLayout, hash_hex
+from ucm_patch.connector.meta import (
     DumpEntry,
     LoadEntry,
     RequestLoad,

@@ -2,9 +2,9 @@
 
 vLLM builds the connector twice: once in the scheduler (``role=SCHEDULER``) and once per
 worker (``role=WORKER``). The facade validates ``kv_connector_extra_config``
-(:mod:`ucm_patch.connector_config`), derives the shared layout and keys
-(:mod:`ucm_patch.connector_layout`), opens the store and hands every call to the side that
-owns it: :mod:`ucm_patch.connector_scheduler` or :mod:`ucm_patch.connector_worker`. What
+(:mod:`ucm_patch.connector.config`), derives the shared layout and keys
+(:mod:`ucm_patch.connector.layout`), opens the store and hands every call to the side that
+owns it: :mod:`ucm_patch.connector.scheduler_side` or :mod:`ucm_patch.connector.worker_side`. What
 each side does, and why, is documented there and in docs/CONNECTOR.md.
 
 Use it by name once the ucm_patch plugin ran (``VLLM_PLUGINS`` unset or listing
@@ -34,10 +34,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ucm_patch import connector_stats
-from ucm_patch.connector_config import ConnectorConfig, parse_connector_config
-from ucm_patch.connector_layout import KVLayout
-from ucm_patch.connector_meta import UCMConnectorMetadata
+from ucm_patch.connector import counters as connector_stats
+from ucm_patch.connector.config import ConnectorConfig, parse_connector_config
+from ucm_patch.connector.layout import KVLayout
+from ucm_patch.connector.meta import UCMConnectorMetadata
 from ucm_patch.hooks.stores import make_store
 from ucm_patch.hooks.stores.base import KVStore
 
@@ -103,7 +103,7 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched_side: Any = None
         self._worker_side: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            from ucm_patch.connector_scheduler import SchedulerSide
+            from ucm_patch.connector.scheduler_side import SchedulerSide
 
             self._sched_side = SchedulerSide(
                 self.layout,
@@ -114,7 +114,7 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
                 expected_reports=int(getattr(vllm_config.parallel_config, "world_size", 1)),
             )
         else:
-            from ucm_patch.connector_worker import WorkerSide
+            from ucm_patch.connector.worker_side import WorkerSide
 
             self._worker_side = WorkerSide(
                 self.layout,
