@@ -119,8 +119,8 @@ def run(steps: int, requests: int, blocks: int) -> dict[str, Any]:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
     from tests.connector_harness import SPEC, vllm_config
-    from ucm_patch.connector import kv_connector as connector
     from ucm_patch.connector import UCMPatchConnector
+    from ucm_patch.connector import kv_connector as connector
     from ucm_patch.connector.meta import UCMConnectorMetadata
     from ucm_patch.hooks import layerwise
     from ucm_patch.hooks.scheduler import get_scheduler

@@ -132,8 +132,8 @@ def test_each_mamba_group_dumps_its_state_at_a_shared_boundary(store: FakeStore)
     lookup, which needs every group's state, never hits."""
     from ucm_patch.connector.config import parse_connector_config
     from ucm_patch.connector.layout import ATTENTION, MAMBA, GroupInfo, KVLayout
-    from ucm_patch.connector.scheduler_side import SchedulerSide
     from ucm_patch.connector.rows import RowMap
+    from ucm_patch.connector.scheduler_side import SchedulerSide
 
     names = [[f"g{g}.l{i}" for i in range(2)] for g in range(3)] + [["a.l0", "a.l1"]]
     groups = [
