@@ -8,8 +8,8 @@ into the raw integer handle a C++ store waits on. torch's ``torch.cuda.Event`` a
 events below copy that shape, so waiting on any event — owned or borrowed — is just
 ``event.synchronize()``.
 
-Owned events come from a per-device pool: creating a CUDA event costs ~2.4 µs unpooled vs
-~0.1 µs pooled (peers.md §4.2), and the submit path has a 2 µs budget. ``release`` returns
+Owned events come from a per-device pool: creating a CUDA event costs about the
+whole 2 µs submit budget, reusing a pooled one a small fraction of it. ``release`` returns
 an owned event to the pool (or drops it when the pool is full); an event that is *borrowed*
 (vLLM-Ascend's ``reshape_cache_event``, our KV-ready events) must never be passed to
 ``release`` — :mod:`ucm_patch.hooks.events` enforces that.
@@ -46,7 +46,9 @@ class Device(ABC):
         if pool_size < 0:
             raise ValueError(f"pool_size must be >= 0, got pool_size={pool_size!r}")
         self.pool_size = pool_size
-        self._pool: list[Any] = []
+        # Recorded-and-released events ready for reuse. Public because the event ledger
+        # pops from this very list on the per-layer path (no call into the device).
+        self.free_events: list[Any] = []
         #: Owned events created / destroyed over the device's life (not pool hits).
         self.created = 0
         self.destroyed = 0
@@ -66,18 +68,18 @@ class Device(ABC):
         cannot create or record an event; the pool is left consistent.
         """
         try:
-            event = self._pool.pop()  # atomic; IndexError when empty (or a racing pop won)
+            event = self.free_events.pop()  # atomic; IndexError when empty (or a racing pop won)
         except IndexError:
             event = self._new_event()
             self.created += 1
         try:
             event.record()  # every event kind records on the calling thread's current stream
         except BaseException:
-            self._record_failed(event)
+            self.record_failed(event)
             raise
         return event
 
-    def _record_failed(self, event: Any) -> None:
+    def record_failed(self, event: Any) -> None:
         """An event whose record raised: pool it again (platforms may destroy it instead)."""
         self._give_back(event)
 
@@ -86,8 +88,8 @@ class Device(ABC):
         self._give_back(event)
 
     def _give_back(self, event: Any) -> None:
-        if len(self._pool) < self.pool_size:
-            self._pool.append(event)
+        if len(self.free_events) < self.pool_size:
+            self.free_events.append(event)
         else:
             self.destroyed += 1
             self._destroy_event(event)
@@ -95,8 +97,8 @@ class Device(ABC):
     def close(self) -> None:
         """Destroy every pooled event; events released later are destroyed (idempotent)."""
         self.pool_size = 0
-        pool = self._pool[:]
-        self._pool.clear()  # in place: EventLedger holds a reference to this list
+        pool = self.free_events[:]
+        self.free_events.clear()  # in place: EventLedger holds a reference to this list
         for event in pool:
             self.destroyed += 1
             self._destroy_event(event)
@@ -104,7 +106,7 @@ class Device(ABC):
     @property
     def pooled(self) -> int:
         """Owned events currently idle in the pool."""
-        return len(self._pool)
+        return len(self.free_events)
 
     # -- waiting --------------------------------------------------------------------
     @staticmethod

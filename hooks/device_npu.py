@@ -2,7 +2,7 @@
 
 Kept in one module so that CUDA/CPU hosts never import ``torch_npu`` or ``acl``: nothing
 here imports them at module import time; :class:`NpuDevice` binds them once in
-``__init__`` (never on the per-layer path — UCM imported ``acl`` per dump, ucm-lessons §5).
+``__init__``, never on the per-layer path (an import per dump would tax every layer).
 
 Two kinds of owned event, picked by ``NpuDevice(backend=...)``:
 
@@ -115,7 +115,7 @@ class NpuDevice(Device):
         if type(event) is AclEvent:
             event.destroy()
 
-    def _record_failed(self, event: Any) -> None:
+    def record_failed(self, event: Any) -> None:
         """A failed record may leave the event unusable: destroy it, never pool it."""
         self.destroyed += 1
         self._destroy_event(event)

@@ -1,6 +1,6 @@
 """Which event a dump waits on, who owns it, and when it is let go.
 
-Ownership (the UCM #989 / #1025 lesson, ucm-lessons §5): every event a dump task holds is
+Ownership (UCM #989 / #1025 leaked or double-freed event handles): every event a dump task holds is
 either
 
 * **owned** — recorded by us on the current stream (:meth:`Device.record_event`); it must be
@@ -13,7 +13,7 @@ either
 :class:`EventLedger` is the single place both kinds pass through, so it can count live
 handles (``live_owned`` / ``live_borrowed``; both 0 when nothing is in flight).
 
-Event-source resolution (seed 001, :meth:`EventLedger.acquire`), first hit wins:
+Event-source resolution (:meth:`EventLedger.acquire`), first hit wins:
 
 1. the layer's KV-ready event in per-layer metadata: ``attn_metadata[layer].reshape_cache_event``
    (``attn_metadata`` is the forward context's dict, or a list of dicts with ubatching);
@@ -106,7 +106,7 @@ class EventLedger:
         lock: threading.Lock | None = None,
     ) -> None:
         self.device = device
-        self._pool = device._pool  # the same list object for the device's whole life
+        self._pool = device.free_events  # the same list object for the device's whole life
         self.metrics = metrics
         self.expect_kv_ready = expect_kv_ready
         self.need_handle = need_handle
@@ -171,8 +171,8 @@ class EventLedger:
             return table_event, False, _TABLE
         if self.need_handle:
             return self._record_or_sync()
-        # Device.record_event inlined (once per layer per step: two frames saved, ~0.4 us
-        # on a 2-core VM). Keep in step with Device.record_event.
+        # Device.record_event inlined (once per layer per step: two Python frames saved).
+        # Keep in step with Device.record_event.
         try:
             event = self._pool.pop()
         except IndexError:
@@ -180,7 +180,7 @@ class EventLedger:
         try:
             event.record()
         except RuntimeError:
-            self.device._record_failed(event)
+            self.device.record_failed(event)
             self._bump("event_record_failed")
             return None, False, _SYNC
         return event, True, _STREAM
@@ -226,7 +226,7 @@ class EventLedger:
         """An owned current-stream event (else device sync), not yet counted.
 
         Like :meth:`resolve`, for callers that hand the event to
-        :meth:`DumpScheduler.submit <ucm_patch.hooks.scheduler.DumpScheduler.submit>`,
+        :meth:`DumpScheduler.submit <ucm_patch.hooks.dump.DumpScheduler.submit>`,
         which counts it.
         """
         return self._record_or_sync()

@@ -1,19 +1,30 @@
-"""Layerwise save/wait entry points: the only functions a patch wrapper calls.
+"""The layerwise hook API: the one door between patch wrappers and KV connectors.
 
-A wrapper placed on a layer that vLLM never hooks (GDN, some MLA ops) brackets the
-layer's eager core with::
+Patch wrappers (``ucm_patch.patches``) reach vLLM's *active* KV connector, whatever it is
+(ours, LMCache, UCM, vLLM's ExampleConnector), only through this module; they carry no
+dump policy. What it offers, all bound at patch-apply time:
 
-    md = layerwise.begin(layer_name)          # gate + wait_for_layer_load
-    try:
-        out = wrapped(*args, **kwargs)
-    finally:
-        layerwise.end(layer_name)
-    if md is not None:
-        layerwise.save(layer_name, kv_cache, md)
+* :func:`layer_bracket`: the wrapper for a layer vLLM never hooks (GDN, some MLA paths,
+  vLLM-Ascend GDN cores). Gate, ``wait_for_layer_load``, the layer's core,
+  ``save_kv_layer``: the call pattern vLLM's ``maybe_transfer_kv_layer`` gives attention.
+  Every vLLM and vLLM-Ascend layer patch builds its wrapper here; only *where* the layer,
+  its name and its KV cache come from differs (:class:`LayerSite`).
+* :func:`begin` / :func:`end` / :func:`save` / :func:`wait`: the same contract one call
+  at a time, for code that cannot use the bracket::
 
-and a KV-write patch reports the device event that says "this layer's KV is written"
-with :func:`kv_ready`. The functions forward to vLLM's *active* KV connector, whatever
-it is (ours, LMCache, UCM, vLLM's ExampleConnector): patches carry no dump policy.
+      md = layerwise.begin(layer_name)          # gate + wait_for_layer_load
+      try:
+          out = wrapped(*args, **kwargs)
+      finally:
+          layerwise.end(layer_name)
+      if md is not None:
+          layerwise.save(layer_name, kv_cache, md)
+
+* :func:`kv_ready` and :class:`LayerEvents`: publish the device event that says "this
+  layer's KV is written", one reusable event per layer.
+* lookups: :func:`connector_getter`, :func:`forward_context_holder`,
+  :func:`forward_context_getter`, :func:`layer_metadata`, :func:`has_metadata_check`,
+  :func:`argument`.
 
 Why these gates: they are exactly the ones vLLM's own ``maybe_transfer_kv_layer``
 decorator applies (no v1 KV-transfer group, ``attn_metadata is None`` during profile and
@@ -21,23 +32,54 @@ dummy runs, or ``not connector.has_connector_metadata()``), so a GDN layer sees 
 call pattern as an attention layer.
 
 Hot path rules: these run once per layer per step. Nothing here imports, logs or
-allocates per call; vLLM modules are bound once by :func:`bind` (at patch-apply time),
-and with no connector active :func:`begin` costs one attribute load and one compare.
+allocates per call; vLLM modules are bound once by :func:`bind`, and with no connector
+active the bracket costs two attribute loads and two compares before the core runs.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
+from ucm_patch.typing_guard import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from typing import Any
+
+    from ucm_patch.records import Wrapper
+
+
+class _NoConnector:
+    """Stands for ``kv_transfer_state`` where vLLM is not importable: never a connector."""
+
+    _KV_CONNECTOR_AGENT = None
+
+
+class _NoForwardContext:
+    """Stands for vLLM's ``forward_context`` module where vLLM is not importable."""
+
+    _forward_context = None
+
+
+class _ForwardContextByCall:
+    """Stands for the ``forward_context`` module of a vLLM without the
+    ``_forward_context`` module global (none of 0.11-0.33 lacks it): reads the context
+    through ``get_forward_context``."""
+
+    def __init__(self, getter: Callable[[], Any]) -> None:
+        self._getter = getter
+
+    @property
+    def _forward_context(self) -> Any:
+        return self._getter()
+
 
 # Bound by bind(); module objects / functions from vLLM. Kept as module globals so the
 # hot path reads them with one dict lookup and never imports.
 _kv_state: Any = None  # vllm.distributed.kv_transfer.kv_transfer_state
 _get_forward_context: Callable[[], Any] | None = None
+_forward_context_holder: Any = _NoForwardContext
 
 # Layers whose hooked core is currently running. A layer's entry methods can nest
 # (0.33's _forward_core_fused_norm_packed -> _forward_core): the inner call must not
@@ -49,6 +91,10 @@ def _metadata_bound(conn: Any) -> bool:
     """vLLM <= 0.11 fallback: ``has_connector_metadata()`` only exists from 0.12 (UCM
     back-ported it); before that the bound metadata lives in ``_connector_metadata``."""
     return getattr(conn, "_connector_metadata", None) is not None
+
+
+def _metadata_method(conn: Any) -> bool:
+    return bool(conn.has_connector_metadata())
 
 
 # Chosen by bind() for the installed vLLM: None means "call conn.has_connector_metadata()"
@@ -69,20 +115,249 @@ def bind() -> bool:
 
     Returns False when vLLM is not importable; hooks then stay inert (no connector).
     """
-    global _kv_state, _get_forward_context, _has_metadata
+    global _kv_state, _get_forward_context, _has_metadata, _forward_context_holder
     if _kv_state is not None:
         return True
     try:
+        from vllm import forward_context
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-        from vllm.forward_context import get_forward_context
     except ImportError:
         return False
     if not hasattr(KVConnectorBase_V1, "has_connector_metadata"):
         _has_metadata = _metadata_bound
-    _get_forward_context = get_forward_context
+    _get_forward_context = forward_context.get_forward_context
+    _forward_context_holder = forward_context_holder()
     _kv_state = kv_transfer_state
     return True
+
+
+def forward_context_getter() -> Callable[[], Any]:
+    """vLLM's ``get_forward_context`` (same module in every supported version)."""
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context
+
+
+def forward_context_holder() -> Any:
+    """An object whose ``_forward_context`` is vLLM's current forward context or None.
+
+    vLLM's ``forward_context`` module itself: ``get_forward_context()`` is
+    ``assert _forward_context is not None; return _forward_context`` in every supported
+    version (0.11-0.33), so a per-layer wrapper reads the global instead of calling a
+    function; None means "outside a forward pass" and the wrapper lets the call through
+    untouched.
+    """
+    from vllm import forward_context
+
+    if hasattr(forward_context, "_forward_context"):
+        return forward_context
+    return _ForwardContextByCall(forward_context.get_forward_context)
+
+
+def _connector_probe() -> Any:
+    """An object whose ``_KV_CONNECTOR_AGENT`` is vLLM's active connector or None:
+    vLLM's ``kv_transfer_state`` module as :func:`bind` bound it, or a stand-in that
+    always says None where vLLM is not importable. Read inline by the bracket."""
+    return _kv_state if bind() else _NoConnector
+
+
+def connector_getter() -> Callable[[], Any]:
+    """``() -> active connector or None`` that runs no Python frame (C-level ``getattr``
+    through ``functools.partial``): for wrappers outside this module that gate per call."""
+    return functools.partial(getattr, _connector_probe(), "_KV_CONNECTOR_AGENT")
+
+
+def has_metadata_check() -> Callable[[Any], bool]:
+    """``connector -> bool``: vLLM's "connector metadata is bound this step" gate.
+
+    ``has_connector_metadata()`` from vLLM 0.12; before that the attribute it reads.
+    """
+    bind()
+    return _metadata_method if _has_metadata is None else _has_metadata
+
+
+_REQUIRED: Any = object()
+
+
+def argument(
+    args: tuple[Any, ...], kwargs: dict[str, Any], index: int, key: str, default: Any = _REQUIRED
+) -> Any:
+    """A wrapped call's argument at position ``index`` of wrapt's ``args`` (``self``
+    excluded) or, passed by keyword, ``kwargs[key]``; ``default`` when it is absent (else
+    ``KeyError``, as the target itself would fail)."""
+    if len(args) > index:
+        return args[index]
+    if default is _REQUIRED:
+        return kwargs[key]
+    return kwargs.get(key, default)
+
+
+# Where a layer bracket finds the layer (LayerSite.layer).
+LAYER_IS_INSTANCE = "instance"  # wrapt's instance (or args[0] for an unbound copy)
+LAYER_ARGUMENT = "argument"  # an argument of the wrapped call is the layer object
+LAYER_NAME_ARGUMENT = "name"  # an argument is the layer's *name* (custom-op kernels)
+
+# Which of the layer's caches the connector saves (LayerSite.stage).
+STAGE_NONE = "none"  # kv_cache itself (vLLM >= 0.19)
+STAGE_VIRTUAL_ENGINE = "virtual_engine"  # kv_cache[forward_context.virtual_engine] (<= 0.18)
+STAGE_FIRST = "first"  # kv_cache[0] (vLLM-Ascend cores that index with 0)
+
+
+def _same_name(layer_name: Any) -> str:
+    return layer_name
+
+
+class _NoLayerName:
+    """Matches no object's class: ``LayerSite.name_class`` where no wrapper name exists."""
+
+
+@dataclass(frozen=True)
+class LayerSite:
+    """Where a wrapped call keeps the layer, its name and its KV cache.
+
+    ``layer``: :data:`LAYER_IS_INSTANCE` (a method of the layer; ``name_attr`` holds its
+    name), :data:`LAYER_ARGUMENT` (argument ``index`` / keyword ``key`` is the layer;
+    ``name_attr`` holds its name) or :data:`LAYER_NAME_ARGUMENT` (argument ``index`` /
+    ``key`` is the layer's name, possibly an instance of ``name_class`` whose ``value`` is
+    the string, else turned into one by ``resolve_name``; the layer is looked up in
+    ``forward_context.no_compile_layers`` as vLLM's kernels do).
+
+    ``kv_index`` / ``kv_key``: the argument that is the KV cache the core writes, when it
+    is passed in (``kv_index < 0``: the layer's ``kv_cache``). ``stage``: which element of
+    it belongs to this step (:data:`STAGE_NONE`, :data:`STAGE_VIRTUAL_ENGINE`,
+    :data:`STAGE_FIRST`).
+    """
+
+    layer: str = LAYER_IS_INSTANCE
+    index: int = -1
+    key: str = "layer_name"
+    name_attr: str = "prefix"
+    name_class: type = _NoLayerName
+    resolve_name: Callable[[Any], str] = _same_name
+    kv_index: int = -1
+    kv_key: str = "kv_cache"
+    stage: str = STAGE_NONE
+
+    def __post_init__(self) -> None:
+        layers = (LAYER_IS_INSTANCE, LAYER_ARGUMENT, LAYER_NAME_ARGUMENT)
+        if self.layer not in layers:
+            raise ValueError(f"LayerSite.layer={self.layer!r}; expected one of {layers}")
+        if self.layer != LAYER_IS_INSTANCE and self.index < 0:
+            raise ValueError(f"LayerSite.index={self.index!r}: layer={self.layer!r} needs one")
+        stages = (STAGE_NONE, STAGE_VIRTUAL_ENGINE, STAGE_FIRST)
+        if self.stage not in stages:
+            raise ValueError(f"LayerSite.stage={self.stage!r}; expected one of {stages}")
+
+
+def layer_bracket(site: LayerSite) -> Wrapper:
+    """The wrapt wrapper for a layer vLLM never hooks: gate, wait, core, save.
+
+    Per call: with no connector or outside a forward pass the core runs untouched (two
+    attribute loads, two compares). Else the gates of :func:`enter` (nested entry, no
+    metadata for the layer in profile / dummy runs, no connector metadata this step),
+    ``wait_for_layer_load``, the core, and ``save_kv_layer`` with the cache of
+    ``site`` once the core returned normally. Everything :func:`begin`, :func:`end` and
+    :func:`save` do, spelled out in one frame: on a per-layer path each Python call saved
+    counts (``scripts/bench_hooks.py`` measures it; ``tests/test_patches_vllm_wrappers.py``
+    holds it to the same gates as :func:`begin`).
+    """
+    probe = _connector_probe()  # binds first: _has_metadata below is final
+    holder = _forward_context_holder
+    has_metadata = _has_metadata  # None: conn.has_connector_metadata() (0.12+)
+    inside, counts, pick = _inside, calls, pick_metadata
+    layer_from, index, key, name_attr = site.layer, site.index, site.key, site.name_attr
+    name_class, resolve_name = site.name_class, site.resolve_name
+    kv_index, kv_key = site.kv_index, site.kv_key
+    by_instance = layer_from == LAYER_IS_INSTANCE
+    by_name = layer_from == LAYER_NAME_ARGUMENT
+    kv_passed = kv_index >= 0
+    per_engine, first = site.stage == STAGE_VIRTUAL_ENGINE, site.stage == STAGE_FIRST
+
+    def layer_wrapper(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        conn = probe._KV_CONNECTOR_AGENT
+        forward_context = holder._forward_context
+        if conn is None or forward_context is None:
+            return wrapped(*args, **kwargs)
+        if by_instance:
+            # vLLM-Ascend copies methods between classes; a copy of an already wrapped
+            # method that another wrapper calls as a plain function arrives unbound (wrapt
+            # passes instance=None and the layer as the first argument).
+            layer = instance if instance is not None else args[0]
+            layer_name = getattr(layer, name_attr)
+        elif by_name:
+            raw = args[index] if len(args) > index else kwargs[key]
+            kind = raw.__class__  # LayerName (0.20+ dispatcher) or str, without a call
+            if kind is str:
+                layer_name = raw
+            elif kind is name_class:
+                layer_name = raw.value
+            else:
+                layer_name = resolve_name(raw)
+            layer = None
+        else:
+            layer = args[index] if len(args) > index else kwargs[key]
+            layer_name = getattr(layer, name_attr)
+        if layer_name in inside:
+            counts["skipped_nested"] += 1
+            return wrapped(*args, **kwargs)
+        all_md = forward_context.attn_metadata
+        if all_md.__class__ is dict:
+            md = all_md.get(layer_name)
+        else:
+            md = pick(all_md, layer_name)
+        if md is None:
+            return wrapped(*args, **kwargs)
+        if not (conn.has_connector_metadata() if has_metadata is None else has_metadata(conn)):
+            return wrapped(*args, **kwargs)
+        inside.add(layer_name)
+        try:
+            counts["wait"] += 1
+            conn.wait_for_layer_load(layer_name)
+            result = wrapped(*args, **kwargs)
+        finally:
+            inside.discard(layer_name)
+        if kv_passed:
+            kv_cache = args[kv_index] if len(args) > kv_index else kwargs[kv_key]
+        elif layer is None:
+            kv_cache = forward_context.no_compile_layers[layer_name].kv_cache
+        else:
+            kv_cache = layer.kv_cache
+        if per_engine:
+            kv_cache = kv_cache[forward_context.virtual_engine]
+        elif first:
+            kv_cache = kv_cache[0]
+        counts["save"] += 1
+        conn.save_kv_layer(layer_name, kv_cache, md)
+        return result
+
+    return layer_wrapper
+
+
+class LayerEvents:
+    """One reusable device event per layer (or per key), recorded on demand.
+
+    A KV-ready patch records "this layer's KV is written" once per layer per step; the
+    event object is created on the first step and re-recorded afterwards, so the steady
+    state allocates nothing. The events belong to this cache: whoever reads them (the
+    dump scheduler, a connector) borrows them.
+    """
+
+    __slots__ = ("_events", "_make_event")
+
+    def __init__(self, make_event: Callable[[], Any]) -> None:
+        self._make_event = make_event
+        self._events: dict[Any, Any] = {}
+
+    def record(self, key: Any) -> Any:
+        """Record ``key``'s event on the current stream and return it."""
+        event = self._events.get(key)
+        if event is None:
+            event = self._events[key] = self._make_event()
+        event.record()
+        return event
 
 
 def idle() -> bool:

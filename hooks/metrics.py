@@ -7,7 +7,7 @@ them only at scrape time through a custom collector (:func:`export`), which yiel
 Counter / Gauge / Histogram families named ``ucm_patch_*``. Nothing is imported from
 prometheus_client unless :func:`export` is called.
 
-Writers: :class:`ucm_patch.hooks.scheduler.DumpScheduler` (under its lock) and
+Writers: :class:`ucm_patch.hooks.dump.DumpScheduler` (under its lock) and
 :class:`ucm_patch.hooks.events.EventLedger` (event sources). Readers may read without a
 lock: each value is one int/float read, so a scrape sees every counter at some recent
 moment (not an atomic snapshot across counters, which Prometheus does not need).

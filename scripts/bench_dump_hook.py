@@ -7,7 +7,7 @@ with nothing to dump) with the case that does work (issue 5, item 1; peers.md go
 Real objects end to end: a real :class:`ucm_patch.connector.UCMPatchConnector` (worker
 role) over a 48-layer KV cache (one storage row per layer, so *every* layer call submits a
 dump), its real worker side and the process's real
-:class:`~ucm_patch.hooks.scheduler.DumpScheduler` (dumping into an in-memory store: the
+:class:`~ucm_patch.hooks.dump.DumpScheduler` (dumping into an in-memory store: the
 store's speed is ``bench_stores.py``'s subject); vLLM's real ``kv_transfer_state`` and
 forward context. Each step binds a
 metadata object with ``--requests`` requests x ``--blocks`` blocks to dump (pinned, as on
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.connector_harness
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support.connector_harness
 
 import bench_common as bc
 
@@ -118,12 +118,12 @@ def run(steps: int, requests: int, blocks: int) -> dict[str, Any]:
     from vllm.utils.torch_utils import _encode_layer_name
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
-    from tests.connector_harness import SPEC, vllm_config
+    from tests.support.connector_harness import SPEC, vllm_config
     from ucm_patch.connector import UCMPatchConnector
     from ucm_patch.connector import kv_connector as connector
     from ucm_patch.connector.meta import UCMConnectorMetadata
     from ucm_patch.hooks import layerwise
-    from ucm_patch.hooks.scheduler import get_scheduler
+    from ucm_patch.hooks.dump import get_scheduler
 
     num_blocks = requests * blocks + 1
     page = SPEC.page_size_bytes

@@ -22,7 +22,8 @@ before the trampolines and still used for targets they cannot take) and ``closur
 wrapper called from a plain ``*args, **kwargs`` function), so the cost of each
 application layer is visible separately.
 
-The "connector, nothing to dump" case uses a connector whose ``wait_for_layer_load`` /
+The "connector, nothing to dump" case uses the tests' stand-in connector with metadata bound
+and recording off (``tests.support.standin_connector``): its ``wait_for_layer_load`` /
 ``save_kv_layer`` return at once, so the figure is the hooks' own cost.
 
 Usage: python scripts/bench_hooks.py [--number N] [--repeat R] [--json PATH]
@@ -35,26 +36,16 @@ import json
 import sys
 import timeit
 import types
+from pathlib import Path
 from typing import Any
 
 import torch
 import wrapt
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
+
 LAYER = "model.layers.0.linear_attn"
 BUDGET_NS = {"no connector": 1000.0, "connector, nothing to dump": 2000.0}
-
-
-class NothingToDump:
-    """A connector with metadata bound whose per-layer hooks have nothing to do."""
-
-    def has_connector_metadata(self) -> bool:
-        return True
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
-        return None
 
 
 def _core(self: Any, mixed_qkv: Any, b: Any, a: Any, core_attn_out: Any) -> None:
@@ -115,6 +106,7 @@ def run(number: int, repeat: int) -> list[dict[str, Any]]:
     from vllm.forward_context import override_forward_context
     from vllm.utils.torch_utils import _encode_layer_name
 
+    from tests.support.standin_connector import StandInConnector
     from ucm_patch.hooks import layerwise
     from ucm_patch.patches.vllm import gdn_layerwise
 
@@ -180,7 +172,7 @@ def run(number: int, repeat: int) -> list[dict[str, Any]]:
         with override_forward_context(fc):  # type: ignore[arg-type]
             for case, conn in (
                 ("no connector", None),
-                ("connector, nothing to dump", NothingToDump()),
+                ("connector, nothing to dump", StandInConnector(record=False)),
             ):
                 kv_transfer_state._KV_CONNECTOR_AGENT = conn
                 paths = (

@@ -13,7 +13,7 @@ CPU "KV cache" per layer, and a store whose latency and bandwidth are spent in
 given fraction (``--loads``) of the compute. Modes:
 
 * ``none``: no dumps (the baseline);
-* ``ucm async``: our :class:`~ucm_patch.hooks.scheduler.DumpScheduler`, ``submit_layer``
+* ``ucm async``: our :class:`~ucm_patch.hooks.dump.DumpScheduler`, ``submit_layer``
   per layer, ``seal`` + non-blocking ``get_finished`` at the step end;
 * ``ucm blocking``: the same scheduler with ``blocking_finish=True`` (UCM #989
   behaviour: the step end waits for its finished requests' dumps);
@@ -145,7 +145,7 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from ucm_patch.hooks.device import CpuDevice
-    from ucm_patch.hooks.scheduler import DumpScheduler
+    from ucm_patch.hooks.dump import DumpScheduler
 
     torch.set_num_threads(1)
     layers, requests, kv_bytes = args.layers, args.requests, args.kv_bytes
@@ -175,33 +175,34 @@ def part_a(args: argparse.Namespace) -> dict[str, Any]:
             CpuDevice(), workers=args.workers, capacity=4096, blocking_finish=True
         ),
     }
+    clients = {mode: sched.client("bench") for mode, sched in scheds.items()}
     step_no = [0]
 
     def step(mode: str) -> float:
         step_no[0] += 1
         ids = [f"s{step_no[0]}-r{i}" for i in range(requests)]
-        sched = scheds.get(mode)
+        dumps = clients.get(mode)
         t0 = time.perf_counter()
-        batch = sched.open_batch(ids, store) if sched is not None else None
+        batch = dumps.open_batch(ids, store) if dumps is not None else None
         for i in range(layers):
             fwd.layer()
-            if sched is not None:
-                sched.submit_layer(batch, names[i], None, i, keys[i], produce)
+            if dumps is not None:
+                dumps.submit_layer(batch, names[i], None, i, keys[i], produce)
             elif mode == "sync layerwise":
                 store.put_many(list(zip(keys[i], produce_row(i), strict=True)))
-        if sched is not None:
-            sched.seal(batch)
-            sched.get_finished(ids)
+        if dumps is not None:
+            dumps.seal(batch)
+            dumps.get_finished(ids)
         return time.perf_counter() - t0
 
     def drain() -> None:
-        for sched in scheds.values():
+        for mode, sched in scheds.items():
             deadline = time.monotonic() + 30
             while sched.internal_sizes()["slots_in_use"]:
                 if time.monotonic() > deadline:
                     raise RuntimeError("bench_overlap: dumps did not drain in 30 s")
                 time.sleep(0.0005)
-            sched.get_finished(())
+            clients[mode].get_finished(())
 
     for mode in MODES_A:  # warm up every path
         for _ in range(3):
@@ -348,7 +349,7 @@ def child(spec_path: str, out_path: str) -> int:
         conn_sched = core.scheduler.connector
 
         if spec["connector"] == "ucm":
-            from ucm_patch.hooks.scheduler import get_scheduler
+            from ucm_patch.hooks.dump import get_scheduler
 
             dump_sched = get_scheduler()
             side = conn_sched._sched_side

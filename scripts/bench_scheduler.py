@@ -45,11 +45,11 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # tests.fakes_store
+sys.path.insert(0, str(REPO))  # tests.support.fakes_store
 
-from tests.fakes_store import FakeStore  # noqa: E402
+from tests.support.fakes_store import FakeStore  # noqa: E402
 from ucm_patch.hooks.device import CpuDevice, CpuEvent  # noqa: E402
-from ucm_patch.hooks.scheduler import DumpScheduler  # noqa: E402
+from ucm_patch.hooks.dump import DumpClient, DumpScheduler  # noqa: E402
 from ucm_patch.hooks.stores.base import KVStore  # noqa: E402
 
 
@@ -90,6 +90,7 @@ def bench_submit(steps: int, layers: int, requests: int) -> dict[str, Any]:
     """Per-call host time of submit_layer, 48 calls per step, workers draining between."""
     store = FakeStore()
     sched = DumpScheduler(CpuDevice(), workers=2, capacity=4096)
+    dumps = sched.client("bench")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     keys = [f"k{i}" for i in range(requests)]
     values = [b"x" * 64] * requests
@@ -104,7 +105,7 @@ def bench_submit(steps: int, layers: int, requests: int) -> dict[str, Any]:
         per_call: list[float] = []
         for step in range(steps):
             ids = [f"{label}-{step}-{i}" for i in range(requests)]
-            batch = sched.open_batch(ids, store)
+            batch = dumps.open_batch(ids, store)
             submit = sched.submit_layer
             t0 = time.perf_counter_ns()
             for row, name in enumerate(names):
@@ -117,7 +118,7 @@ def bench_submit(steps: int, layers: int, requests: int) -> dict[str, Any]:
             sched.seal(batch)
             while busy(sched):
                 time.sleep(0.0005)
-            sched.get_finished(ids)
+            dumps.get_finished(ids)
         warm = per_call[steps // 10 :]
         out[label] = {
             "median_ns": statistics.median(warm),
@@ -216,7 +217,7 @@ def _noop(batch: Any, layer: str, md: Any, row: int, keys: Any, data: Any) -> bo
 
 def run_steps(
     model: Model,
-    sched: DumpScheduler | None,
+    dumps: DumpClient | None,
     store: KVStore,
     steps: int,
     requests: int,
@@ -234,20 +235,20 @@ def run_steps(
         # Fresh request ids every step (each step's requests finish at its end).
         ids = [f"s{next(_STEP)}-r{i}" for i in range(requests)]
         t0 = pc()
-        batch = sched.open_batch(ids, store) if sched is not None else None
+        batch = dumps.open_batch(ids, store) if dumps is not None else None
         for i in range(model.layers):
             model.layer(i)
             s0 = pc()
-            if sched is not None:
-                sched.submit_layer(batch, names[i], None, i, keys_by_row[i], produce)
+            if dumps is not None:
+                dumps.submit_layer(batch, names[i], None, i, keys_by_row[i], produce)
             else:
                 _noop(batch, names[i], None, i, keys_by_row[i], produce)
             per_call.append(pc() - s0)
-        if sched is not None:
+        if dumps is not None:
             s0 = pc()
-            sched.seal(batch)  # wait_for_save
+            dumps.seal(batch)  # wait_for_save
             s1 = pc()
-            sched.get_finished(ids)  # get_finished (retires finished dumps)
+            dumps.get_finished(ids)  # get_finished (retires finished dumps)
             end_calls.append((s1 - s0, pc() - s1))
         step_times.append((pc() - t0) / 1e6)
     return step_times
@@ -288,12 +289,13 @@ def bench_overlap(
         return views[task.row]
 
     sched = DumpScheduler(CpuDevice(), workers=workers, capacity=1024, linger_s=linger_s)
+    dumps = sched.client("bench")
     # Warm up both paths (allocator, pools, thread start).
     run_steps(model, None, store, 5, requests, names, produce, [])
-    run_steps(model, sched, store, 5, requests, names, produce, [])
+    run_steps(model, dumps, store, 5, requests, names, produce, [])
     while busy(sched):
         time.sleep(0.001)
-    sched.get_finished(())
+    dumps.get_finished(())
     base: list[float] = []
     dumped: list[float] = []
     per_call: list[float] = []
@@ -305,13 +307,13 @@ def bench_overlap(
         gc.collect()
         base += run_steps(model, None, store, steps, requests, names, produce, noop_call)
         dumped += run_steps(
-            model, sched, store, steps, requests, names, produce, per_call, end_calls
+            model, dumps, store, steps, requests, names, produce, per_call, end_calls
         )
     t_drain = time.perf_counter()
     while busy(sched):
         time.sleep(0.0005)
     drain_tail_s = time.perf_counter() - t_drain
-    sched.get_finished(())
+    dumps.get_finished(())
     dump_steps = rounds * steps
     dump_work_ms = (store.busy_ns + produce_ns[0]) / 1e6 / dump_steps
     med_base = statistics.median(base)

@@ -11,7 +11,7 @@ attention):
   forms several mamba groups, as it does for Qwen3-Next-80B (36 GDN + 12 attention);
 * ``qwen3_next_mixed``: ``GAGGA``, an uneven mix (groups of different fill).
 
-Constraints found on vLLM CPU (see shared reference cpu-vllm.md): attention head size
+Constraints found on vLLM CPU: attention head size
 must be one the CPU backend supports (32 here); Qwen3-Next needs bf16 and linear-attention
 head dims of 128. Qwen3-Next also needs ``tie_word_embeddings=False``: vLLM 0.32's
 ``Qwen3NextForCausalLM`` never ties ``lm_head`` to the embeddings and does not complain that

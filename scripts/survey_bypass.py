@@ -24,6 +24,8 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from ucm_patch.verify.source import registered_ops
+
 FIRST, LAST = Version("0.22"), Version("0.34")
 
 COVERED = "covered"
@@ -127,7 +129,7 @@ _EXPERIMENTAL = (
     "Own attention / cache layers with no connector call. New families of the `vllm/models/` "
     "tree with CUDA/ROCm-only kernels (nothing here can run or prove a wrapper), several "
     "with more than one cache per decoder layer; left out until a user needs one: the "
-    "generic wrappers make it one record plus an `EXPECTED_PARAMS` entry."
+    "generic wrappers make it one row of a record table."
 )
 FAMILY_DECISIONS: dict[str, tuple[str, str]] = {
     "kimi_k3": (
@@ -168,19 +170,7 @@ def _bypassing_ops(root: Path) -> dict[str, str]:
         except SyntaxError:
             continue
         defs = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.Call):
-                continue
-            fname = (
-                node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
-            )
-            if fname != "direct_register_custom_op":
-                continue
-            kw = {k.arg: k.value for k in node.keywords}
-            name = kw.get("op_name", node.args[0] if node.args else None)
-            func = kw.get("op_func", node.args[1] if len(node.args) > 1 else None)
-            if not isinstance(name, ast.Constant) or func is None:
-                continue
+        for name, func in registered_ops(tree):
             base = ast.unparse(func).split("(")[-1].rstrip(")").split(".")[-1]
             fn = defs.get(base)
             if fn is None:
@@ -188,7 +178,7 @@ def _bypassing_ops(root: Path) -> dict[str, str]:
             body = ast.get_source_segment(src, fn) or ""
             decorated = any("maybe_transfer_kv_layer" in ast.unparse(d) for d in fn.decorator_list)
             if not decorated and ("kv_cache" in body or "no_compile_layers" in body):
-                found[name.value] = str(path.relative_to(root.parent))
+                found[name] = str(path.relative_to(root.parent))
     return found
 
 

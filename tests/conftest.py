@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-TYPE_CHECKING = False
+from ucm_patch.typing_guard import TYPE_CHECKING
+
 if TYPE_CHECKING:
-    from tests.fakes_store import FakeStore
+    from tests.support.fakes_store import FakeStore
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_RECIPE = 3  # scripts/make_tiny_model.py RECIPE
@@ -120,13 +121,13 @@ def tiny_qwen3_next_mixed() -> Path:
 
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeStore]:
-    """A :class:`~tests.fakes_store.FakeStore` that every UCMPatchConnector built in this
+    """A :class:`~tests.support.fakes_store.FakeStore` that every UCMPatchConnector built in this
     process uses, with the process-wide state (store cache, dump scheduler, counters)
     reset before and after; held puts are released at the end."""
-    from tests.fakes_store import FakeStore
+    from tests.support.fakes_store import FakeStore
     from ucm_patch.connector import counters as connector_stats
     from ucm_patch.connector import kv_connector as connector
-    from ucm_patch.hooks.scheduler import reset_scheduler
+    from ucm_patch.hooks.dump import reset_scheduler
 
     fake = FakeStore()
     monkeypatch.setattr(connector, "make_store", lambda _config: fake)

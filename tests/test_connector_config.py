@@ -25,8 +25,8 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
 )
 
-from tests.connector_harness import kv_cache_config, vllm_config
-from tests.fakes_store import FakeStore
+from tests.support.connector_harness import kv_cache_config, vllm_config
+from tests.support.fakes_store import FakeStore
 from ucm_patch.connector import UCMPatchConnector, register_with_vllm
 from ucm_patch.connector.config import (
     CONNECTOR_KEYS,

@@ -1,6 +1,6 @@
 """UCMPatchConnector scheduler + worker sides in one process (no engine): the rules.
 
-Each test plays engine steps through :class:`tests.connector_harness.Harness` with an
+Each test plays engine steps through :class:`tests.support.connector_harness.Harness` with an
 in-memory store whose contents the test controls, and asserts one rule of
 docs/CONNECTOR.md: what is dumped, what counts as a hit, what is loaded where, when a
 request's blocks may be freed, what a load error reports, what pins hold.
@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from vllm.v1.core.block_pool import BlockPool
 
-from tests.connector_harness import BS, LAYERS, NUM_BLOCKS, Harness, Req, blocks, new_req
-from tests.connector_harness import sched_output as so
-from tests.fakes_store import FakeStore
+from tests.support.connector_harness import BS, LAYERS, NUM_BLOCKS, Harness, Req, blocks, new_req
+from tests.support.connector_harness import sched_output as so
+from tests.support.fakes_store import FakeStore
 from ucm_patch import connector
 from ucm_patch.connector import UCMPatchConnector
 from ucm_patch.hooks.stores.base import StoreError

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from tests.connector_harness import Harness, Req, blocks, new_req, vllm_config
-from tests.connector_harness import sched_output as so
-from tests.fakes_store import FakeStore
+from tests.support.connector_harness import Harness, Req, blocks, new_req, vllm_config
+from tests.support.connector_harness import sched_output as so
+from tests.support.fakes_store import FakeStore
 from tests.test_connector_config import hybrid_config
 from ucm_patch import connector
 from ucm_patch.connector import UCMPatchConnector

@@ -2,7 +2,7 @@
 
 MultiConnector counts, per request, how many children returned True from
 ``request_finished`` and frees the blocks only after that many ``finished_sending``
-reports (its ``extra_async_saves``). Seed 000 fixed exactly this path: a child that delays
+reports (its ``extra_async_saves``). UCM #989 fixed exactly this path: a child that delays
 the free must say so through *both* ``request_finished`` (non-HMA, when a sibling does not
 support HMA) and ``request_finished_all_groups`` (HMA), and must report a request in
 ``finished_sending`` iff it returned True, exactly once. The sibling here returns True for
@@ -21,9 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
-from tests.connector_harness import Harness, Req, blocks, new_req, vllm_config
-from tests.connector_harness import sched_output as so
-from tests.fakes_store import FakeStore
+from tests.support.connector_harness import Harness, Req, blocks, new_req, vllm_config
+from tests.support.connector_harness import sched_output as so
+from tests.support.fakes_store import FakeStore
 from ucm_patch import connector
 
 TOKENS = list(range(100, 113))  # 3 full blocks + 1 token

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.connector_child import prompt, run_child
+from tests.support.connector_child import prompt, run_child
 
 PREFIX = prompt(1, 300)
 R1 = [*PREFIX, 5, 6, 7]

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.connector_child import prompt, run_children
+from tests.support.connector_child import prompt, run_children
 
 PREFIX = prompt(3, 3000)
 R1 = [*PREFIX, 5, 6, 7]

@@ -1,4 +1,4 @@
-"""Event-source resolution, ownership and counters (seed 001's review comments as tests).
+"""Event-source resolution, ownership and counters (the review comments of UCM #1025 as tests).
 
 Also the Device interface: CPU events, pooled owned events, and the NPU module driven by
 stand-in ``torch_npu`` / ``acl`` modules (the only stand-ins the project allows: no NPU
@@ -257,7 +257,7 @@ def test_hooks_modules_import_neither_torch_nor_vllm() -> None:
     """Binding is lazy: importing the scheduler stack must not pull torch or vLLM in."""
     code = (
         "import sys\n"
-        "import ucm_patch.hooks.scheduler, ucm_patch.connector.rows, ucm_patch.hooks.device_npu\n"
+        "import ucm_patch.hooks.dump, ucm_patch.connector.rows, ucm_patch.hooks.device_npu\n"
         "bad = sorted(m for m in ('torch', 'vllm', 'torch_npu', 'acl', 'prometheus_client')"
         " if m in sys.modules)\n"
         "print(bad)\n"

@@ -1,6 +1,6 @@
 """Hot paths stay hot: what runs once per layer per step imports, logs and builds nothing.
 
-The rule (developers' guide, issue 4: "no allocation or import on that path") is easy to
+The rule ("no allocation, import or logging on that path") is easy to
 break with one innocent line: a ``logger.debug``, an f-string, a list built to pass a few
 values, a lazy ``import``. A timing benchmark would only notice it on a quiet machine; this
 test reads the source of every function on the per-layer path and rejects those
@@ -26,14 +26,14 @@ from typing import Any
 
 import pytest
 
-from tests.connector_harness import LAYERS, Harness, Req, blocks, new_req
-from tests.connector_harness import sched_output as so
+from tests.support.connector_harness import LAYERS, Harness, Req, blocks, new_req
+from tests.support.connector_harness import sched_output as so
 from ucm_patch import connector, guard, trampoline
 from ucm_patch.connector import UCMPatchConnector
 from ucm_patch.connector.worker_side import WorkerSide
 from ucm_patch.hooks import layerwise
+from ucm_patch.hooks.dump import DumpScheduler
 from ucm_patch.hooks.events import EventLedger
-from ucm_patch.hooks.scheduler import DumpScheduler
 from ucm_patch.patches.vllm import _layer_hooks, kv_ready_event
 
 #: Node types that allocate a container, define code, or import.

@@ -17,28 +17,16 @@ copy-order patch record exists; if a source changes order, this file says so fir
 from __future__ import annotations
 
 import ast
-import importlib.util
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
-from tests.conftest import REPO
-
-_spec = importlib.util.spec_from_file_location(
-    "verify_ascend_targets", REPO / "scripts" / "verify_ascend_targets.py"
-)
+from ucm_patch.verify import ascend
 
 
 def _verify() -> object:
-    import sys
-
-    module = sys.modules.get("verify_ascend_targets")
-    if module is None:
-        module = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-        sys.modules["verify_ascend_targets"] = module
-        _spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return ascend
 
 
 def _calls(node: ast.AST, name: str) -> list[ast.Call]:

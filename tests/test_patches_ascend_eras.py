@@ -3,7 +3,7 @@
 Each run is a child process (tests/standins/scenarios/era_*.py) with one stand-in era
 (tests/standins/ascend_*) and the fake torch_npu (tests/standins/common) in front of
 ``sys.path``. The child builds ``Registry(records)`` from the real patch sets, activates it,
-installs a recording connector as vLLM's active connector
+installs the stand-in connector (tests/support/standin_connector.py) as vLLM's active connector
 (``kv_transfer_state._KV_CONNECTOR_AGENT``), sets a real ``ForwardContext`` and drives the
 stand-ins the way vLLM / vLLM-Ascend call them (GDN through the installed vLLM's
 ``qwen_gdn_attention_core`` op). It prints one ordered log of cache writes, event records and
@@ -71,7 +71,9 @@ RUNS: dict[str, tuple[str, str, dict[str, str]]] = {
 
 
 def run_scenario(era: str, script: str, extra: dict[str, str]) -> dict[str, Any]:
-    path = f"{STANDINS / f'ascend_{era}'}:{STANDINS / 'common'}"
+    # The repository root last: the scenarios' harness imports tests.support's stand-in
+    # connector, and the stand-in packages must win over anything of the same name.
+    path = f"{STANDINS / f'ascend_{era}'}:{STANDINS / 'common'}:{REPO}"
     # UCM_PATCH=0: ``import ucm_patch`` must not activate the process registry; the
     # scenario activates its own Registry(records).
     env = clean_env({"PYTHONPATH": path, "UCM_PATCH": "0", "VLLM_VERSION": "", **extra})
@@ -219,7 +221,7 @@ def test_0_13_mla_event_on_the_per_layer_metadata_before_the_save(runs):
     assert prefill[3] == ["save", mla, "[mla.kv]", "mla_dict", prefill[2][1], 2]
     assert kinds(decode) == ["write", "record", "save"]  # decode-only: upstream has none
     assert decode[1][2] == "ucm"
-    # seed 001 reads attn_metadata[layer].reshape_cache_event from the dict it is handed
+    # UCM #1025 reads attn_metadata[layer].reshape_cache_event from the dict it is handed
     assert decode[2] == ["save", mla, "[mla.kv]", "mla_dict", decode[1][1], 1]
     assert result["kv_ready_layers"] == [mla]
     assert kinds(runs["0.13-control"]["mla_decode"]) == ["write", "save"]

@@ -9,20 +9,13 @@ from the public source; their entries are checked for completeness here.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.conftest import REPO, clean_env
-
-_spec = importlib.util.spec_from_file_location(
-    "verify_ascend_targets", REPO / "scripts" / "verify_ascend_targets.py"
-)
-verify = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-sys.modules["verify_ascend_targets"] = verify
-_spec.loader.exec_module(verify)  # type: ignore[union-attr]
+from ucm_patch.verify import ascend as verify
 
 RC_TAGS = ("v0.19.1rc1", "v0.20.2rc1", "v0.21.0rc1", "v0.22.1rc1")
 STANDIN_0_23 = REPO / "tests" / "standins" / "ascend_0_23"

@@ -12,22 +12,14 @@ stand-in. A stand-in edited into something the real release is not fails here.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import REPO
-
-_spec = importlib.util.spec_from_file_location(
-    "verify_ascend_targets", REPO / "scripts" / "verify_ascend_targets.py"
-)
-verify = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-sys.modules["verify_ascend_targets"] = verify
-_spec.loader.exec_module(verify)  # type: ignore[union-attr]
+from ucm_patch.verify import ascend as verify
 
 STANDINS = REPO / "tests" / "standins"
 ERAS = sorted(p.name for p in STANDINS.glob("ascend_*") if p.is_dir())

@@ -15,9 +15,7 @@ tests/test_patches_vllm_real.py); everything else is the real wrapper code.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -25,16 +23,12 @@ from typing import Any
 import pytest
 import wrapt
 
+from tests.support.standin_connector import StandInConnector
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import PATCH_SETS, _vllm_compat, kv_ready_event
+from ucm_patch.verify import vllm as verify_targets
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "verify_targets", REPO / "scripts" / "verify_targets.py"
-)
-verify_targets = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-sys.modules["verify_targets"] = verify_targets
-_spec.loader.exec_module(verify_targets)  # type: ignore[union-attr]
 
 DATA = json.loads(verify_targets.DATA.read_text())
 RECORDS = {r.id: r for ps in PATCH_SETS for r in ps.records}
@@ -55,21 +49,6 @@ class FakeLayerName:
 
 def resolve_fake(raw: Any) -> str:
     return raw.name if isinstance(raw, FakeLayerName) else raw
-
-
-class Connector:
-    def __init__(self, log: list[tuple[Any, ...]], has_metadata: bool = True) -> None:
-        self.log = log
-        self.has_metadata = has_metadata
-
-    def has_connector_metadata(self) -> bool:
-        return self.has_metadata
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self.log.append(("wait", layer_name))
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
-        self.log.append(("save", layer_name, kv_layer, attn_metadata))
 
 
 class Metadata:
@@ -94,7 +73,7 @@ class World:
             no_compile_layers={name: self.layer},
             virtual_engine=1,
         )
-        self.connector = Connector(self.log)
+        self.connector = StandInConnector(log=self.log)
 
 
 def cases() -> list[tuple[str, str]]:
@@ -111,11 +90,8 @@ def _install(monkeypatch: pytest.MonkeyPatch, world: World, facts: dict[str, Any
         layerwise, "_kv_state", types.SimpleNamespace(_KV_CONNECTOR_AGENT=world.connector)
     )
     monkeypatch.setattr(layerwise, "_get_forward_context", lambda: world.fc)
-    monkeypatch.setattr(_vllm_compat, "forward_context_getter", lambda: lambda: world.fc)
     monkeypatch.setattr(
-        _vllm_compat,
-        "forward_context_holder",
-        lambda: types.SimpleNamespace(_forward_context=world.fc),
+        layerwise, "_forward_context_holder", types.SimpleNamespace(_forward_context=world.fc)
     )
     monkeypatch.setattr(
         _vllm_compat, "has_virtual_engine", lambda: facts["forward_context_virtual_engine"]

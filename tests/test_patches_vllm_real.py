@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_helpers import ATTN_LAYER_NEXT, GDN_LAYER, VllmRun, run_vllm
+from tests.support.vllm_helpers import ATTN_LAYER_NEXT, GDN_LAYER, VllmRun, run_vllm
 
 pytestmark = pytest.mark.vllm
 

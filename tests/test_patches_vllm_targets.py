@@ -7,23 +7,16 @@ are checked from ``scripts/data/vllm_signatures.json``, which ``scripts/verify_t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from ucm_patch.patches.vllm import PATCH_SETS
 from ucm_patch.records import Kind, PatchRecord
+from ucm_patch.verify import vllm as vt
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "verify_targets", REPO / "scripts" / "verify_targets.py"
-)
-vt = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-sys.modules.setdefault("verify_targets", vt)
-_spec.loader.exec_module(vt)  # type: ignore[union-attr]
 
 DATA = json.loads(vt.DATA.read_text())
 RECORDS = [r for ps in PATCH_SETS for r in ps.records]

@@ -15,25 +15,11 @@ import pytest
 import torch
 import wrapt
 
+from tests.support.standin_connector import StandInConnector as Connector
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks, _vllm_compat, kv_ready_event, mla_bypass
 
 NAME = "model.layers.0.linear_attn"
-
-
-class Connector:
-    def __init__(self, has_metadata: bool = True) -> None:
-        self.log: list[tuple[Any, ...]] = []
-        self.has_metadata = has_metadata
-
-    def has_connector_metadata(self) -> bool:
-        return self.has_metadata
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self.log.append(("wait", layer_name))
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
-        self.log.append(("save", layer_name, kv_layer, attn_metadata))
 
 
 class Md:
@@ -48,9 +34,8 @@ def world(monkeypatch):
     fc = types.SimpleNamespace(attn_metadata={NAME: md}, no_compile_layers={}, virtual_engine=0)
     monkeypatch.setattr(layerwise, "_kv_state", state)
     monkeypatch.setattr(layerwise, "_get_forward_context", lambda: fc)
-    monkeypatch.setattr(_vllm_compat, "forward_context_getter", lambda: lambda: fc)
     monkeypatch.setattr(
-        _vllm_compat, "forward_context_holder", lambda: types.SimpleNamespace(_forward_context=fc)
+        layerwise, "_forward_context_holder", types.SimpleNamespace(_forward_context=fc)
     )
     monkeypatch.setattr(_vllm_compat, "has_virtual_engine", lambda: False)
     monkeypatch.setattr(_vllm_compat, "layer_name_resolver", lambda: _vllm_compat._identity_name)

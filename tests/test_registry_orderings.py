@@ -27,7 +27,8 @@ class Child(Layer):
 HARNESS = '''
 import json, sys
 from ucm_patch.records import PatchRecord
-from ucm_patch.registry import Registry, MARKER
+from ucm_patch.installer import MARKER
+from ucm_patch.registry import Registry
 
 CALLS = []
 

@@ -9,7 +9,8 @@ import pytest
 CHECK = """
 import importlib, json, sys
 import ucm_patch
-from ucm_patch.registry import MARKER, _static_get
+from ucm_patch.installer import MARKER
+from ucm_patch.installer import static_get as _static_get
 
 def depth(obj):
     n = 0

@@ -15,7 +15,7 @@ from tests.conftest import RunPy
 GDN_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 
 COUNT_WRAPS = """
-from ucm_patch.registry import MARKER
+from ucm_patch.installer import MARKER
 
 
 def wraps_on(target):

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RunPy
-from tests.vllm_helpers import TESTS
+from tests.support import repo_pythonpath
 
 pytestmark = pytest.mark.vllm
 
@@ -78,8 +78,8 @@ def generate(model):
     from vllm.config import KVTransferConfig
     llm = LLM(model=model, dtype="bfloat16", max_model_len=128, max_num_seqs=4, seed=0,
               disable_hybrid_kv_cache_manager=False,
-              kv_transfer_config=KVTransferConfig(kv_connector="RecordingConnector",
-                  kv_connector_module_path="recording_connector", kv_role="kv_both"))
+              kv_transfer_config=KVTransferConfig(kv_connector="StandInConnector",
+                  kv_connector_module_path="tests.support.standin_connector", kv_role="kv_both"))
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate(["hello world this is", "the quick brown fox jumps",
                          "one two three four five six"], sp, use_tqdm=False)
@@ -213,7 +213,7 @@ if __name__ == "__main__":
 ENV = {
     "UCM_PATCH_KV_READY_EVENT": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "PYTHONPATH": os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    "PYTHONPATH": repo_pythonpath(),
     "UCM_TEST_RECORD": os.devnull,
 }
 

@@ -1,7 +1,7 @@
 """Stress on real vLLM CPU: 520 requests, random aborts, forced preemption, our connector.
 
 One child vLLM process with UCMPatchConnector (local store) and one without a connector
-drive the same request stream step by step (``tests/connector_child.py`` ``stress`` op):
+drive the same request stream step by step (``tests/support/connector_child.py`` ``stress`` op):
 at most 10 requests outstanding, 6 running, and a KV cache of 12 blocks of 128 tokens,
 so running requests run out of blocks while decoding and vLLM preempts them (counted).
 About a quarter of the requests are aborted at a random output length, some while still
@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.connector_child import run_child
+from tests.support.connector_child import run_child
 
 pytestmark = pytest.mark.vllm
 

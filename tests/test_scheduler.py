@@ -1,7 +1,7 @@
 """DumpScheduler behaviour against a controllable fake store (no timing budgets here).
 
-Each test proves one acceptance criterion of issue 4; the review comments of seeds 000/001
-are the failure modes they guard against (leaked handles, unbounded sets, blocking saves).
+Each test proves one promise of the dump scheduler; the review comments of UCM #989 /
+#1025 are the failure modes they guard against (leaked handles, unbounded sets, blocking saves).
 """
 
 from __future__ import annotations
@@ -13,16 +13,17 @@ from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 
-from tests.fakes_store import FakeStore
+from tests.support.fakes_store import FakeStore
+from tests.support.one_client import OneClientScheduler
 from ucm_patch.hooks.device import CpuDevice, FakeEvent
-from ucm_patch.hooks.events import EventSource
-from ucm_patch.hooks.scheduler import (
+from ucm_patch.hooks.dump import (
     DumpClient,
     DumpScheduler,
     FinishedDumps,
     get_scheduler,
     reset_scheduler,
 )
+from ucm_patch.hooks.events import EventSource
 
 ZERO_SIZES = {
     "requests": 0,
@@ -82,7 +83,7 @@ def make_sched() -> Iterator[Callable[..., DumpScheduler]]:
     def make(**kw: object) -> DumpScheduler:
         kw.setdefault("device", CpuDevice())
         kw.setdefault("workers", 2)
-        sched = DumpScheduler(**kw)  # type: ignore[arg-type]
+        sched = OneClientScheduler(**kw)
         made.append(sched)
         return sched
 
@@ -200,7 +201,7 @@ def test_request_with_finished_dumps_is_reported_in_the_same_call(make_sched) ->
 
 
 def test_blocking_finish_waits_inside_get_finished(make_sched) -> None:
-    """Opt-in seed 000 behaviour: get_finished waits for the finished requests' dumps."""
+    """Opt-in UCM #989 behaviour: get_finished waits for the finished requests' dumps."""
     store = FakeStore()
     store.hold(lambda key: key.startswith("a/"))
     sched = make_sched(blocking_finish=True)
@@ -566,11 +567,11 @@ def test_get_scheduler_is_one_per_process_and_rejects_conflicts() -> None:
         if pid == 0:  # child: threads did not survive the fork, so a fresh scheduler
             code = 1
             try:
-                child = get_scheduler(device=CpuDevice(), workers=1)
+                child = get_scheduler(device=CpuDevice(), workers=1).client("child")
                 batch = child.open_batch(["c"], store)
                 child.submit(batch, 0, ["child"], host(1))
                 child.seal(batch)
-                ok = child is not sched and finish(child, ["c"]).sending == {"c"}
+                ok = child.scheduler is not sched and finish(child, ["c"]).sending == {"c"}
                 code = 0 if ok else 1
             finally:
                 os._exit(code)

@@ -1,6 +1,6 @@
 """Bounded state under churn, and concurrent connectors sharing one scheduler.
 
-The seed 000 review found ``_async_dump_req_ids`` growing forever and handles leaking on
+The UCM #989 review found ``_async_dump_req_ids`` growing forever and handles leaking on
 error paths; these tests run thousands of requests through every path (finish, abort
 mid-dump, preemption, resume after preemption, injected store errors, skipped dumps) and
 then require every internal map to be empty and no event handle to be live.
@@ -12,9 +12,10 @@ import random
 import threading
 import time
 
-from tests.fakes_store import FakeStore
+from tests.support.fakes_store import FakeStore
+from tests.support.one_client import OneClientScheduler
 from ucm_patch.hooks.device import CpuDevice, FakeEvent
-from ucm_patch.hooks.scheduler import DumpScheduler
+from ucm_patch.hooks.dump import DumpScheduler
 
 N_REQUESTS = 10_000
 LAYERS = 4
@@ -42,7 +43,7 @@ def _drain(sched: DumpScheduler, expected: set[str], reported: list[str]) -> Non
 def test_10k_requests_with_aborts_preemptions_and_errors_leave_nothing_behind() -> None:
     rng = random.Random(1234)
     store = FakeStore(error_rate=0.03, seed=7)
-    sched = DumpScheduler(CpuDevice(), workers=2, capacity=64, on_full="skip")
+    sched = OneClientScheduler(CpuDevice(), workers=2, capacity=64, on_full="skip")
     ready_event = FakeEvent()
     ready_event.set()
     md = _Md(ready_event)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # store_contract, under any rootdir
+# Run as a script (the child driver) too: the repository root makes tests.support importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from store_contract import CASES, Harness
-
+from tests.support.store_contract import CASES, Harness
 from ucm_patch.hooks.stores import (
     StoreConfigError,
     make_store,

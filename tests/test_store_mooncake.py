@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # store_contract, under any rootdir
+# Run as a script (the child driver) too: the repository root makes tests.support importable.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from store_contract import CASES, Harness
-
+from tests.support.store_contract import CASES, Harness
 from ucm_patch.hooks.stores import parse_store_config
 from ucm_patch.hooks.stores.base import KVStore
 

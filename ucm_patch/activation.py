@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 
 from ucm_patch.registry import Registry
 from ucm_patch.toggles import env_flag
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
     from typing import Any
 

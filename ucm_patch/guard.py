@@ -41,8 +41,8 @@ import types
 from collections.abc import Callable, Mapping
 
 from ucm_patch.errors import PatchFailed
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
     from typing import Any
 

@@ -3,11 +3,11 @@
 The design follows wrapt's ``importer.py`` (hooks per module name, a finder at the front
 of ``sys.meta_path`` that wraps the real loader, hooks fired *outside* the registry lock)
 but is kept here so that ``import ucm_patch`` does not import wrapt: wrapt 2.x imports
-asyncio on import, ~100 ms, which would blow the 30 ms start-up budget. wrapt itself is
+asyncio on import, more than the whole 30 ms start-up budget. wrapt itself is
 imported only when a patch is actually applied, i.e. while vLLM is being imported.
 
 The classes duck-type the importlib protocols instead of subclassing importlib.abc
-(another ~6 ms at start-up).
+(which would import more at start-up).
 
 Lock discipline: ``_lock`` guards ``_hooks`` only. A hook is never called with it held,
 because a hook may import (and so take the import lock), and another thread holding the
@@ -23,7 +23,8 @@ from collections.abc import Callable
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
+from ucm_patch.typing_guard import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from typing import Any
 
@@ -151,7 +152,7 @@ class _PostImportFinder:
         names.add(fullname)
         _searching.names = names
         try:
-            from importlib.util import find_spec  # first hooked import only; ~1 ms at start
+            from importlib.util import find_spec  # first hooked import only, not at start-up
 
             spec = find_spec(fullname)
         finally:

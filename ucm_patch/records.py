@@ -23,25 +23,33 @@ Two kinds of target:
 The wrapper is made by ``make_wrapper()`` at apply time, when the target library is
 imported, so a factory can bind vLLM functions once instead of importing per call.
 The doc fields feed docs/PATCHES.md (generated; a test fails when it is stale).
+
+A patch module states its eras as one table (:func:`table`): a row per record, the
+values all rows share given once. ``expect`` (:mod:`ucm_patch.expect`) says what each
+record relies on in its target's source; :mod:`ucm_patch.verify` checks it on every
+supported release.
 """
 
 from __future__ import annotations
 
-from collections import namedtuple  # not typing.NamedTuple: typing costs ~7 ms at start
-from collections.abc import Callable, Mapping
+from collections import namedtuple  # not typing.NamedTuple: typing is slow to import
+from collections.abc import Callable, Iterable, Mapping
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
+from ucm_patch.typing_guard import TYPE_CHECKING
+
 if TYPE_CHECKING:  # packaging is imported only when a version is actually checked
     from typing import Any, TypeAlias
 
     from packaging.specifiers import SpecifierSet
+
+    from ucm_patch.expect import Check
 
     Wrapper: TypeAlias = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
 class Tag(str):
     """A named string constant with ``.value``: what ``enum.StrEnum`` members gave us,
-    without importing ``enum`` at start-up (~3 ms with its class creation). Compare with
+    without importing ``enum`` at start-up (its import and class creation). Compare with
     ``is`` or ``==``; ``str()`` and JSON give the plain value."""
 
     __slots__ = ()
@@ -84,9 +92,11 @@ class PatchRecord:
             "no KV connector is active"). Keeps the idle cost of a hot-path patch to
             one trampoline frame and this check (it may offer a frame-free
             ``enabled_callable()``, as ``layerwise.idle`` does).
+        expect: what the record relies on in its target library's source
+            (:class:`ucm_patch.expect.Check`), verified against every supported release.
 
-    A plain class rather than a dataclass: ``dataclasses`` imports ``inspect`` (~12 ms),
-    and records are built on ``import ucm_patch`` (30 ms budget). Specifiers are parsed
+    A plain class rather than a dataclass: ``dataclasses`` imports ``inspect``, and
+    records are built on ``import ucm_patch`` (30 ms budget). Specifiers are parsed
     on first use for the same reason; ``validate()`` parses them eagerly (tests do).
     """
 
@@ -95,6 +105,7 @@ class PatchRecord:
         "default",
         "dispatch_key",
         "era",
+        "expect",
         "kind",
         "make_wrapper",
         "name",
@@ -126,6 +137,7 @@ class PatchRecord:
         optional: bool = False,
         skip_when: Callable[[], bool] | None = None,
         supersedes: tuple[str, ...] = (),
+        expect: tuple[Check, ...] = (),
     ) -> None:
         self.name = name
         self.era = era
@@ -142,6 +154,7 @@ class PatchRecord:
         self.optional = optional
         self.skip_when = skip_when
         self.supersedes = tuple(supersedes)
+        self.expect = tuple(expect)
         self._specifiers: dict[str, SpecifierSet] | None = None
         where = f"patch record {name!r} (era {era!r})"
         if not name.isidentifier() or name.lower() != name:
@@ -202,3 +215,32 @@ class PatchSet(namedtuple("PatchSet", ("name", "library", "description", "record
     library: str
     description: str
     records: tuple[PatchRecord, ...]
+
+
+def table(
+    name: str,
+    distribution: str,
+    columns: str,
+    rows: Iterable[tuple[Any, ...]],
+    **shared: Any,
+) -> tuple[PatchRecord, ...]:
+    """The records of patch ``name``, one per row: a patch module's eras as one table.
+
+    ``columns`` names the values of every row (``PatchRecord`` keywords separated by
+    spaces, e.g. ``"era target requires upstream expect"``); a row may end with one more
+    item, a mapping of keywords only that row sets (``{"optional": True}``). ``shared``
+    holds what every row has in common (``why``, ``removal``, ``make_wrapper`` ...); a row
+    value wins over it. ``requires`` is written as the range of ``distribution`` alone.
+    """
+    names = columns.split()
+    out = []
+    for row in rows:
+        extra: Mapping[str, Any] = {}
+        if len(row) == len(names) + 1:
+            *row, extra = row
+        if len(row) != len(names):
+            raise ValueError(f"patch {name!r}: row {row!r} does not match columns {names}")
+        fields = {**shared, **dict(zip(names, row, strict=True)), **extra}
+        fields["requires"] = {distribution: fields["requires"]}
+        out.append(PatchRecord(name=name, **fields))
+    return tuple(out)

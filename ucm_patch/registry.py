@@ -22,16 +22,15 @@ Guarantees (each has a test in tests/test_registry_*.py):
 * **Thread-safe.** One ``RLock`` guards the state table. Factories (which may import) run
   *outside* the lock, and wrapt runs post-import hooks outside its own lock, so a hook
   firing in one thread while another thread imports cannot deadlock on the import lock.
-* **Cheap where it runs per layer.** A plain-function target gets an exact-signature
-  trampoline (:mod:`ucm_patch.trampoline`), anything else a wrapt ``FunctionWrapper``;
-  both run the same guarded wrapper (:mod:`ucm_patch.guard`).
+* **Cheap where it runs per layer.** The installer (:mod:`ucm_patch.installer`) gives a
+  plain-function target an exact-signature trampoline, anything else a wrapt
+  ``FunctionWrapper``; both run the same guarded wrapper (:mod:`ucm_patch.guard`).
 * **Revertible.** The exact original is restored only while the attribute still is our
   wrapper; if something else replaced or re-wrapped it, the registry warns and leaves it.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import threading
@@ -40,17 +39,15 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 
-from ucm_patch import guard, importhooks, trampoline
+from ucm_patch import importhooks, installer
 from ucm_patch.errors import PatchFailed
-from ucm_patch.records import Kind, PatchRecord, Tag
+from ucm_patch.records import PatchRecord, Tag
 from ucm_patch.toggles import ToggleResolver
+from ucm_patch.typing_guard import TYPE_CHECKING
 from ucm_patch.versions import InstalledVersion, VersionCache
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
     from typing import Any
-
-MARKER = "_self_ucm_patch_id"  # wrapt keeps `_self_*` attributes on the proxy itself
 
 
 class State:
@@ -66,40 +63,6 @@ class State:
     INACTIVE = Tag("inactive")  # known, never activated in this process
 
 
-class _Applied:
-    """What a revert needs: where the wrapper went and what it replaced."""
-
-    __slots__ = (
-        "attribute",
-        "cell",
-        "library",
-        "original",
-        "owned_attribute",
-        "parent",
-        "wrapper",
-    )
-
-    def __init__(
-        self,
-        parent: Any,
-        attribute: str,
-        original: Any,
-        wrapper: Any,
-        owned_attribute: bool,
-        library: Any = None,
-        cell: Any = None,
-    ) -> None:
-        self.parent = parent
-        self.attribute = attribute
-        self.original = original
-        self.wrapper = wrapper
-        # True when the original lived in parent.__dict__ (else it was inherited and a
-        # revert deletes our attribute instead of assigning the original back).
-        self.owned_attribute = owned_attribute
-        self.library = library  # torch.library.Library holding an op-kernel override
-        self.cell = cell  # guard.CallCell; set broken on revert for stray references
-
-
 class RecordStatus:
     """Live state of one record; ``report()`` returns copies as dicts."""
 
@@ -110,7 +73,7 @@ class RecordStatus:
         self.toggle = ""
         self.versions: dict[str, str] = {}
         self.gated = False  # version gate evaluated for the current activation
-        self.applied: _Applied | None = None
+        self.applied: installer.Applied | None = None
         self.hooked = False  # a post-import hook is registered for this activation
 
     def as_dict(self) -> dict[str, Any]:
@@ -282,7 +245,7 @@ class Registry:
             st.state, st.reason = State.APPLYING, "applying"
             strict = self.strict
         try:
-            applied, missing = _apply(
+            applied, missing = installer.install(
                 st.record, module, lambda exc: self._call_failed(st, exc), lambda: self.strict
             )
         except Exception as exc:
@@ -321,25 +284,11 @@ class Registry:
             applied = st.applied
             if applied is None:
                 return
-            current = _static_get(applied.parent, applied.attribute)
-            if current is not applied.wrapper:
-                st.state = State.REVERT_REFUSED
-                st.reason = (
-                    f"{st.record.target} is no longer our wrapper (replaced by "
-                    f"{type(current).__name__}); left as it is"
-                )
-                warnings.warn(f"ucm_patch: {st.reason}", RuntimeWarning, stacklevel=3)
+            refused = installer.uninstall(applied, st.record.target)
+            if refused is not None:
+                st.state, st.reason = State.REVERT_REFUSED, refused
+                warnings.warn(f"ucm_patch: {refused}", RuntimeWarning, stacklevel=3)
                 return
-            if applied.owned_attribute:
-                setattr(applied.parent, applied.attribute, applied.original)
-            else:
-                delattr(applied.parent, applied.attribute)
-            if applied.library is not None:
-                applied.library._destroy()  # drops our kernel; the original is current again
-            if applied.cell is not None:
-                # References we cannot take back (a kernel vLLM registered from the wrapped
-                # module attribute, a `from x import f` copy) now pass straight through.
-                applied.cell.broken = True
             st.applied = None
             st.state, st.reason = new_state, reason
 
@@ -393,127 +342,3 @@ def _gate(record: PatchRecord, versions: VersionCache) -> tuple[dict[str, str], 
 
 def _shown(versions: Mapping[str, str]) -> str:
     return ", ".join(f"{d} {v}" for d, v in versions.items())
-
-
-def _static_get(parent: Any, attribute: str) -> Any:
-    """The attribute as stored (class ``__dict__`` for classes: no descriptor binding)."""
-    if isinstance(parent, type):
-        for klass in parent.__mro__:
-            if attribute in vars(klass):
-                return vars(klass)[attribute]
-        raise AttributeError(attribute)
-    return getattr(parent, attribute)
-
-
-def _is_ours(obj: Any, record_id: str) -> bool:
-    """True if ``obj`` or anything it wraps carries our marker for ``record_id``."""
-    seen = 0
-    while obj is not None and seen < 32:
-        if getattr(obj, MARKER, None) == record_id:
-            return True
-        obj = getattr(obj, "__wrapped__", None)
-        seen += 1
-    return False
-
-
-def _resolve(record: PatchRecord, module: Any) -> tuple[Any, str, Any] | str:
-    """(parent, attribute, original) or a reason string when the target is missing."""
-    parts = record.qualname.split(".")
-    parent = module
-    for i, part in enumerate(parts[:-1]):
-        if not hasattr(parent, part):
-            where = ".".join([record.module, *parts[:i]])
-            return f"{where} has no attribute {part!r} (target {record.target})"
-        parent = getattr(parent, part)
-    attribute = parts[-1]
-    try:
-        original = _static_get(parent, attribute)
-    except AttributeError:
-        owner = ".".join(parts[:-1]) or "<module>"
-        return f"{record.module}:{owner} has no attribute {attribute!r}"
-    return parent, attribute, original
-
-
-def _dispatch_key(record: PatchRecord) -> str:
-    key = record.dispatch_key or ""
-    if ":" not in key:
-        return key
-    mod, _, attr = key.partition(":")
-    fn: Callable[[], str] = getattr(importlib.import_module(mod), attr)
-    return fn()
-
-
-def _apply(
-    record: PatchRecord,
-    module: Any,
-    on_call_failure: Callable[[BaseException], None],
-    strict: Callable[[], bool],
-) -> tuple[_Applied | None, str | None]:
-    """Apply one record to its imported module. Raises on unexpected errors.
-
-    ``on_call_failure`` / ``strict`` feed the call-time guard (see :mod:`ucm_patch.guard`).
-    """
-    resolved = _resolve(record, module)
-    if isinstance(resolved, str):
-        return None, resolved
-    parent, attribute, original = resolved
-    if _is_ours(original, record.id):
-        # Another registry instance (or a reloaded ucm_patch) already wrapped it.
-        return None, f"{record.target} already carries this patch; not wrapped twice"
-    owned = not isinstance(parent, type) or attribute in vars(parent)
-    patch_wrapper = record.make_wrapper()
-    method = isinstance(parent, type)
-    cell = None
-    if not guard.guardable(original):
-        import wrapt  # here, not at import: see importhooks' docstring (~5-10 ms)
-
-        skip = record.skip_when
-        enabled = None if skip is None else lambda: not skip()
-        wrapper = wrapt.FunctionWrapper(original, patch_wrapper, enabled=enabled)
-    else:
-        cell = guard.CallCell()
-        enabled = guard.make_enabled(cell, record.skip_when)
-        if trampoline.supports(original, method):
-            wrapper = trampoline.make_trampoline(
-                original, patch_wrapper, enabled, method, cell, on_call_failure, strict
-            )
-        else:
-            import wrapt
-
-            guarded = guard.make_guard(patch_wrapper, cell, original, on_call_failure, strict)
-            wrapper = wrapt.FunctionWrapper(original, guarded, enabled=enabled)
-    setattr(wrapper, MARKER, record.id)
-    library = None
-    if record.kind is Kind.OP_KERNEL:
-        library = _override_kernel(record, wrapper)
-    setattr(parent, attribute, wrapper)
-    return _Applied(parent, attribute, original, wrapper, owned, library, cell), None
-
-
-def _override_kernel(record: PatchRecord, kernel: Any) -> Any:
-    """Register ``kernel`` as the op's implementation for the platform's dispatch key.
-
-    Only the kernel is overridden (``allow_override``); the op is never defined again
-    (torch rejects a duplicate definition). Destroying the returned library removes our
-    registration and the previous kernel is current again (used by revert).
-    """
-    import torch
-
-    assert record.op is not None
-    namespace, _, op_name = record.op.partition("::")
-    dispatch_key = _dispatch_key(record)
-    if not hasattr(getattr(torch.ops, namespace), op_name):
-        # Registered lazily (vLLM 0.21+ CPU GDN: register_cpu_gdn_attention_ops() runs in
-        # the layer's __init__ and reads the module global): the wrapper set on the module
-        # attribute is what vLLM will register, so there is nothing to override.
-        return None
-    library = torch.library.Library(namespace, "IMPL")
-    try:
-        with warnings.catch_warnings():
-            # torch warns "Overriding a previously registered kernel": that is the point.
-            warnings.simplefilter("ignore", UserWarning)
-            library.impl(op_name, kernel, dispatch_key, allow_override=True)
-    except BaseException:
-        library._destroy()
-        raise
-    return library

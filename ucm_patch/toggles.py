@@ -30,13 +30,13 @@ the value, and what is accepted. Nothing is silently ignored: an unknown
 from __future__ import annotations
 
 import os
-from collections import namedtuple  # not typing.NamedTuple: typing costs ~7 ms at start
+from collections import namedtuple  # not typing.NamedTuple: see ucm_patch.typing_guard
 from collections.abc import Iterable, Mapping
 
 from ucm_patch.errors import ConfigError
+from ucm_patch.typing_guard import TYPE_CHECKING
 from ucm_patch.versions import DIST_ALIASES, VersionCache
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:  # parsed lazily: only version-scoped rules need packaging
     from typing import Any
 

@@ -1,13 +1,13 @@
 """Exact-signature trampolines: what the registry installs in place of a plain function.
 
 Why not wrapt's ``FunctionWrapper`` for these: the per-layer hooks run once per layer per
-step, with budgets of 1 us (no connector) and 2 us (connector, nothing to dump) per call
-(issue 3). Measured on the 2-core development VM (``scripts/bench_hooks.py``), a method
-wrapped in a ``FunctionWrapper`` costs 1.0-1.9 us over a bare call even when ``enabled``
-sends the call straight to the original: every attribute access allocates a bound
+step, with budgets of 1 us (no connector) and 2 us (connector, nothing to dump) per call.
+A method wrapped in a ``FunctionWrapper`` costs about a whole budget over a bare call even
+when ``enabled`` sends the call straight to the original (``scripts/bench_hooks.py``, the
+``wrapt`` rows in docs/BENCHMARKS.md): every attribute access allocates a bound
 wrapper, and a keyword call is repacked into a dict twice (once by wrapt, once by the
 ``wrapped(*args, **kwargs)`` hop). A plain function with the original's own parameter
-list costs ~70 ns there: Python binds it like any method (no allocation for
+list costs a small fraction of that: Python binds it like any method (no allocation for
 ``obj.meth(...)``), and vLLM's keyword calls land in real parameters.
 
 So the trampoline for ``def _forward_core(self, mixed_qkv, b, a, core_attn_out)`` is,
@@ -29,7 +29,7 @@ parameter before ``*`` arrives in ``args`` in declaration order (positionally, w
 the caller used) and ``kwargs`` holds only keyword-only ones (treat it as read-only).
 
 It is compiled once per signature *shape* (parameter names are placeholders, renamed in
-the code object per target), so applying a record costs ~0.07 ms once its shape is known.
+the code object per target), so applying a record is cheap once its shape is known.
 
 wrapt still installs everything a trampoline cannot express (:func:`supports`): callables
 that are not plain functions (``staticmethod``, builtins, other proxies) and functions
@@ -49,8 +49,8 @@ import types
 from collections.abc import Callable
 
 from ucm_patch import guard
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
     from typing import Any
 
@@ -84,7 +84,7 @@ def supports(original: Any, method: bool) -> bool:
 
 class _Parameters:
     """The parameter list of a plain function, read from its code object (no ``inspect``:
-    it costs ~10 ms to import and is never needed on the paths the trampoline serves).
+    it is slow to import and is never needed on the paths the trampoline serves).
 
     ``drop_first``: leave out the first parameter (a method's instance, supplied by the
     caller from elsewhere)."""

@@ -22,12 +22,12 @@ override detection for dev builds whose metadata is wrong.
 from __future__ import annotations
 
 import os
-from collections import namedtuple  # not typing.NamedTuple: typing costs ~7 ms at start
+from collections import namedtuple  # not typing.NamedTuple: see ucm_patch.typing_guard
 
 from ucm_patch.errors import ConfigError
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
-if TYPE_CHECKING:  # imported lazily: importlib.metadata + packaging cost ~50 ms at start-up
+if TYPE_CHECKING:  # imported lazily: importlib.metadata + packaging are slow to import
     from typing import Any
 
     from packaging.version import Version
@@ -132,9 +132,9 @@ def _metadata_dirs() -> dict[str, str] | None:
     """Normalised distribution name -> its ``*.dist-info`` / ``*.egg-info`` directory,
     the first one along ``sys.path`` (the one ``importlib.metadata`` would return).
 
-    Why not ``importlib.metadata.distribution()``: importing it costs ~30 ms where nothing
-    imported it yet, and every lookup scans every ``sys.path`` entry again (~1 ms each, four
-    lookups per activation). Listing each directory once is enough for files installers
+    Why not ``importlib.metadata.distribution()``: importing it is a large share of the start-up
+    budget where nothing imported it yet, and every lookup scans every ``sys.path`` entry
+    again (four lookups per activation). Listing each directory once is enough for files installers
     write. None when an entry is not a plain directory (a zip, a custom finder's path):
     then the caller uses ``importlib.metadata`` itself.
     """
@@ -159,7 +159,7 @@ def _metadata_dirs() -> dict[str, str] | None:
 
 def _version_of(path: str) -> str:
     """The ``Version:`` header of a metadata directory, read without the email parser
-    (vLLM's METADATA is long: parsing all of it costs ~4 ms; the header is near the top)."""
+    (vLLM's METADATA is long and the header is near the top)."""
     for fname in ("METADATA", "PKG-INFO"):
         try:
             with open(os.path.join(path, fname), encoding="utf-8") as fh:

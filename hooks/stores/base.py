@@ -4,7 +4,7 @@ Keys are content-hash strings (block hash + layout coordinates such as storage r
 rank); values are raw bytes of one block of one storage row. A store is shared by every
 thread of the dump scheduler's pool, so implementations must be thread-safe.
 
-Contract (all stores, verified by the shared store test-suite, tests/store_contract.py):
+Contract (all stores, verified by the shared store test-suite, tests/support/store_contract.py):
 
 * Keys must be non-empty ``str``; anything else raises ValueError naming the key.
 * ``put_many`` stores each value under its key unless the key already exists (content

@@ -4,7 +4,7 @@ Why Mooncake: it is the KV-cache engine that real deployments share between vLLM
 its zero-copy batch calls are its fastest path over TCP (reference figures: ≈0.7 GiB/s
 put, ≈1.7 GiB/s get on loopback; this store's own figures are in docs/BENCHMARKS.md).
 
-Design (details and measurements: docs/BENCHMARKS.md, /work/shared/reference/cpu-vllm.md §13):
+Design (measurements: docs/BENCHMARKS.md):
 
 * ``mooncake`` is imported only when this store is built, so nothing else needs the wheel.
 * Setup uses P2PHANDSHAKE metadata and TCP by default. ``MC_STORE_CLIENT_SETUP_RETRIES``

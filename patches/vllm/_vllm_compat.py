@@ -4,7 +4,7 @@ Every function here runs at patch-apply time (inside a record's ``make_wrapper``
 per call: each returns a small callable specialised for the installed vLLM, so the hot
 path does no feature detection, no imports and no ``hasattr`` probing.
 
-What differs between versions (targets.md section 5, gotcha 8):
+What differs between versions:
 
 * ``ForwardContext.virtual_engine`` exists up to 0.18 and a layer's ``kv_cache`` is a
   per-pipeline-stage list indexed by it; from 0.19 ``kv_cache`` is used directly. For a
@@ -18,44 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
+from ucm_patch.hooks import layerwise
+from ucm_patch.typing_guard import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from typing import Any
 
 
-def forward_context_getter() -> Callable[[], Any]:
-    """vLLM's ``get_forward_context`` (same module in every supported version)."""
-    from vllm.forward_context import get_forward_context
-
-    return get_forward_context
-
-
-class _ForwardContextByCall:
-    """Stand-in for a vLLM without the ``_forward_context`` module global (none of
-    0.11-0.33): reads the context through ``get_forward_context``."""
-
-    def __init__(self, getter: Callable[[], Any]) -> None:
-        self._getter = getter
-
-    @property
-    def _forward_context(self) -> Any:
-        return self._getter()
-
-
-def forward_context_holder() -> Any:
-    """An object whose ``_forward_context`` is vLLM's current forward context or None.
-
-    vLLM's ``forward_context`` module itself: ``get_forward_context()`` is
-    ``assert _forward_context is not None; return _forward_context`` in every supported
-    version (0.11-0.33), so a per-layer wrapper reads the global and saves a Python call
-    (~150 ns on the development VM); None means "outside a forward pass" and the wrapper
-    lets the call through untouched.
-    """
-    from vllm import forward_context
-
-    if hasattr(forward_context, "_forward_context"):
-        return forward_context
-    return _ForwardContextByCall(forward_context.get_forward_context)
+# One implementation, in the hook API; named here too because the wrappers' version facts
+# are read from this module.
+forward_context_getter = layerwise.forward_context_getter
+forward_context_holder = layerwise.forward_context_holder
 
 
 def has_virtual_engine() -> bool:

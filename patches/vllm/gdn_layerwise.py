@@ -14,7 +14,7 @@ skipped with no KV-transfer group, no metadata (profile / dummy runs) or no conn
 metadata. Nested entry methods (``_forward_core_rocm`` -> ``_forward_core``) fire once:
 ``layerwise.begin`` refuses a layer that is already inside its core.
 
-Eras (targets.md section 2.2 and 8):
+Eras (each checked against that release's source: docs/PATCHES.md, verification matrix):
 
 ==============  ========================================================================
 vLLM            wrapped
@@ -36,11 +36,12 @@ KV connector vLLM has active.
 
 from __future__ import annotations
 
+from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks
-from ucm_patch.records import Kind, PatchRecord, PatchSet
+from ucm_patch.records import Kind, PatchRecord, PatchSet, table
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
     from ucm_patch.records import Wrapper
 
@@ -68,118 +69,106 @@ def make_cpu_op_wrapper() -> Wrapper:
     return _layer_hooks.make_op_wrapper(CPU_OP_LAYER_NAME_INDEX)
 
 
+# Leading parameters of each era's target (``leading`` checks, verified against every vLLM
+# wheel by ucm_patch.verify.vllm and used by the per-era unit tests).
 _CORE = ("self", "mixed_qkv", "b", "a", "core_attn_out")
-# Leading parameters of each era's target, checked against every vLLM wheel by
-# scripts/verify_targets.py and used by the per-era unit tests.
-EXPECTED_PARAMS: dict[str, tuple[str, ...]] = {
-    "vllm-0.10": ("self", "hidden_states", "output"),
-    "vllm-0.12": _CORE,
-    "vllm-0.19": _CORE,
-    "vllm-0.21-rocm": ("self", "qkvz", "ba", "z_out", "core_attn_out"),
-    "vllm-0.22": _CORE,
-    "vllm-0.22-rocm": ("self", "qkvz", "ba", "z_out", "core_attn_out"),
-    "vllm-0.28-fused": ("self", "mixed_qkvz", "ba", "core_attn_out"),
-    "vllm-0.21-cpu": ("mixed_qkv", "b", "a", "core_attn_out", "layer_name"),
-}
+_ROCM_CORE = ("self", "qkvz", "ba", "z_out", "core_attn_out")
 # cpu_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name): the dispatcher
 # passes the name positionally.
-CPU_OP_LAYER_NAME_INDEX = EXPECTED_PARAMS["vllm-0.21-cpu"].index("layer_name")
+CPU_OP_PARAMS = ("mixed_qkv", "b", "a", "core_attn_out", "layer_name")
+CPU_OP_LAYER_NAME_INDEX = arg_index(CPU_OP_PARAMS, "layer_name")
 
 _QWEN3_NEXT = "vllm.model_executor.models.qwen3_next"
 _GDN_019 = "vllm.model_executor.layers.mamba.gdn_linear_attn"
 _GDN_022 = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _CPU_OPS = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 
-
-def _method(
-    era: str, target: str, requires: str, upstream: str, optional: bool = False
-) -> PatchRecord:
-    return PatchRecord(
-        name=NAME,
-        era=era,
-        target=target,
-        requires={"vllm": requires},
-        skip_when=layerwise.idle,
-        make_wrapper=make_method_wrapper,
-        why=WHY,
-        upstream=upstream,
-        removal=REMOVAL,
-        optional=optional,
-    )
-
-
-RECORDS: tuple[PatchRecord, ...] = (
-    _method(
-        "vllm-0.10",
-        f"{_QWEN3_NEXT}:Qwen3NextGatedDeltaNet._forward",
-        ">=0.10.2,<0.12",
-        "vLLM 0.10.2-0.11.x: op vllm::gdn_attention calls self._forward(hidden_states=, "
-        "output=) eagerly (Qwen3-Next support, vLLM PR #24526).",
-    ),
-    _method(
-        "vllm-0.12",
-        f"{_QWEN3_NEXT}:Qwen3NextGatedDeltaNet._forward_core",
-        ">=0.12,<0.19",
-        "vLLM 0.12-0.18.x: op vllm::gdn_attention_core calls self._forward_core(mixed_qkv=, "
-        "b=, a=, core_attn_out=); KV cache indexed by forward_context.virtual_engine.",
-    ),
-    _method(
-        "vllm-0.19",
-        f"{_GDN_019}:GatedDeltaNetAttention._forward_core",
-        ">=0.19,<0.22",
-        "vLLM 0.19-0.21: GDN moved to layers/mamba/gdn_linear_attn.py (PluggableLayer); "
-        "virtual_engine removed, kv_cache used directly.",
-    ),
-    _method(
-        "vllm-0.21-rocm",
-        f"{_GDN_019}:GatedDeltaNetAttention._forward_core_rocm",
-        ">=0.21,<0.22",
-        "vLLM 0.21: op gdn_attention_core(fast_kernel=True) calls _forward_core_rocm (AITER "
-        "path), which may return without reaching _forward_core.",
-        optional=True,
-    ),
-    _method(
-        "vllm-0.22",
-        f"{_GDN_022}:QwenGatedDeltaNetAttention._forward_core",
-        ">=0.22,<0.34",
-        "vLLM 0.22-0.33: op vllm::qwen_gdn_attention_core (layers/mamba/gdn/"
-        "qwen_gdn_linear_attn.py); layer_name is LayerName-encoded on the op path.",
-    ),
-    _method(
-        "vllm-0.22-rocm",
-        f"{_GDN_022}:QwenGatedDeltaNetAttention._forward_core_rocm",
-        ">=0.22,<0.34",
-        "vLLM 0.22-0.33: qwen_gdn_attention_core(use_aiter=True) calls _forward_core_rocm, "
-        "which handles decode-only batches without _forward_core.",
-        optional=True,
-    ),
-    _method(
-        "vllm-0.28-fused",
-        f"{_GDN_022}:QwenGatedDeltaNetAttention._forward_core_fused_norm_packed",
-        ">=0.28,<0.34",
-        "vLLM 0.28-0.33: op vllm::qwen_gdn_attention_core_fused_norm_packed (fused GDN "
-        "spec-decode path) calls _forward_core_fused_norm_packed, not _forward_core.",
-        optional=True,
-    ),
-    PatchRecord(
-        name=NAME,
-        era="vllm-0.21-cpu",
-        target=f"{_CPU_OPS}:cpu_gdn_attention_core",
-        requires={"vllm": ">=0.21,<0.34"},
-        skip_when=layerwise.idle,
-        make_wrapper=make_cpu_op_wrapper,
-        why=WHY + " On CPU, forward_cpu calls torch.ops.vllm.cpu_gdn_attention_core and never "
-        "reaches _forward_core, so the op's kernel is overridden.",
-        upstream=(
+RECORDS: tuple[PatchRecord, ...] = table(
+    NAME,
+    "vllm",
+    "era target requires upstream expect",
+    (
+        (
+            "vllm-0.10",
+            f"{_QWEN3_NEXT}:Qwen3NextGatedDeltaNet._forward",
+            ">=0.10.2,<0.12",
+            "vLLM 0.10.2-0.11.x: op vllm::gdn_attention calls self._forward(hidden_states=, "
+            "output=) eagerly (Qwen3-Next support, vLLM PR #24526).",
+            (leading(("self", "hidden_states", "output")),),
+        ),
+        (
+            "vllm-0.12",
+            f"{_QWEN3_NEXT}:Qwen3NextGatedDeltaNet._forward_core",
+            ">=0.12,<0.19",
+            "vLLM 0.12-0.18.x: op vllm::gdn_attention_core calls self._forward_core(mixed_qkv=, "
+            "b=, a=, core_attn_out=); KV cache indexed by forward_context.virtual_engine.",
+            (leading(_CORE),),
+        ),
+        (
+            "vllm-0.19",
+            f"{_GDN_019}:GatedDeltaNetAttention._forward_core",
+            ">=0.19,<0.22",
+            "vLLM 0.19-0.21: GDN moved to layers/mamba/gdn_linear_attn.py (PluggableLayer); "
+            "virtual_engine removed, kv_cache used directly.",
+            (leading(_CORE),),
+        ),
+        (
+            "vllm-0.21-rocm",
+            f"{_GDN_019}:GatedDeltaNetAttention._forward_core_rocm",
+            ">=0.21,<0.22",
+            "vLLM 0.21: op gdn_attention_core(fast_kernel=True) calls _forward_core_rocm (AITER "
+            "path), which may return without reaching _forward_core.",
+            (leading(_ROCM_CORE),),
+            {"optional": True},
+        ),
+        (
+            "vllm-0.22",
+            f"{_GDN_022}:QwenGatedDeltaNetAttention._forward_core",
+            ">=0.22,<0.34",
+            "vLLM 0.22-0.33: op vllm::qwen_gdn_attention_core (layers/mamba/gdn/"
+            "qwen_gdn_linear_attn.py); layer_name is LayerName-encoded on the op path.",
+            (leading(_CORE),),
+        ),
+        (
+            "vllm-0.22-rocm",
+            f"{_GDN_022}:QwenGatedDeltaNetAttention._forward_core_rocm",
+            ">=0.22,<0.34",
+            "vLLM 0.22-0.33: qwen_gdn_attention_core(use_aiter=True) calls _forward_core_rocm, "
+            "which handles decode-only batches without _forward_core.",
+            (leading(_ROCM_CORE),),
+            {"optional": True},
+        ),
+        (
+            "vllm-0.28-fused",
+            f"{_GDN_022}:QwenGatedDeltaNetAttention._forward_core_fused_norm_packed",
+            ">=0.28,<0.34",
+            "vLLM 0.28-0.33: op vllm::qwen_gdn_attention_core_fused_norm_packed (fused GDN "
+            "spec-decode path) calls _forward_core_fused_norm_packed, not _forward_core.",
+            (leading(("self", "mixed_qkvz", "ba", "core_attn_out")),),
+            {"optional": True},
+        ),
+        (
+            "vllm-0.21-cpu",
+            f"{_CPU_OPS}:cpu_gdn_attention_core",
+            ">=0.21,<0.34",
             "vLLM 0.21-0.33 CPU: cpu_gdn_attention_core registered lazily by "
             "register_cpu_gdn_attention_ops() from the GDN layer's __init__ "
-            "(reads the module global, so the wrapped attribute is what gets registered)."
+            "(reads the module global, so the wrapped attribute is what gets registered).",
+            (leading(CPU_OP_PARAMS),),
+            {
+                "make_wrapper": make_cpu_op_wrapper,
+                "why": WHY + " On CPU, forward_cpu calls torch.ops.vllm.cpu_gdn_attention_core "
+                "and never reaches _forward_core, so the op's kernel is overridden.",
+                "kind": Kind.OP_KERNEL,
+                "op": "vllm::cpu_gdn_attention_core",
+                "dispatch_key": "CPU",
+            },
         ),
-        removal=REMOVAL,
-        kind=Kind.OP_KERNEL,
-        op="vllm::cpu_gdn_attention_core",
-        dispatch_key="CPU",
     ),
+    make_wrapper=make_method_wrapper,
+    skip_when=layerwise.idle,
+    why=WHY,
+    removal=REMOVAL,
 )
 
 PATCH_SET = PatchSet(

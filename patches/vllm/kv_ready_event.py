@@ -37,11 +37,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
-from ucm_patch.patches.vllm import _layer_hooks, _vllm_compat
-from ucm_patch.records import Kind, PatchRecord, PatchSet
+from ucm_patch.patches.vllm import _vllm_compat
+from ucm_patch.records import Kind, PatchRecord, PatchSet, table
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
     from typing import Any
 
@@ -105,16 +106,7 @@ def event_recorder() -> Callable[[str], Any]:
             f"kv_ready_event: torch.{device_type}.Event does not exist "
             f"(current_platform.device_type={device_type!r})"
         )
-    events: dict[str, Any] = {}
-
-    def record_device(layer_name: str) -> Any:
-        event = events.get(layer_name)
-        if event is None:
-            event = events[layer_name] = event_cls()
-        event.record()
-        return event
-
-    return record_device
+    return layerwise.LayerEvents(event_cls).record
 
 
 def _record_cpu(layer_name: str) -> Any:
@@ -127,19 +119,19 @@ def make_kv_update_wrapper(layer_name_index: int) -> Wrapper:
     ``unified_kv_cache_update(key, value, layer_name)`` and
     ``unified_mla_kv_cache_update(kv_c_normed, k_pe, layer_name, ...)``: index 2.
     """
-    probe = _layer_hooks._connector_probe()
+    active_connector = layerwise.connector_getter()
     resolve_name = _vllm_compat.layer_name_resolver()
     record = event_recorder()
     layer_metadata, kv_ready = layerwise.layer_metadata, layerwise.kv_ready
+    argument = layerwise.argument
 
     def kv_update_wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         result = wrapped(*args, **kwargs)
-        if probe._KV_CONNECTOR_AGENT is None:
+        if active_connector() is None:
             return result
-        raw = args[layer_name_index] if len(args) > layer_name_index else kwargs["layer_name"]
-        layer_name = resolve_name(raw)
+        layer_name = resolve_name(argument(args, kwargs, layer_name_index, "layer_name"))
         md = layer_metadata(layer_name)
         if md is not None:
             kv_ready(layer_name, record(layer_name), md)
@@ -154,15 +146,16 @@ def make_save_hook_wrapper() -> Wrapper:
     Runs right after the backend forward wrote the layer's KV: record, publish, then let
     vLLM's own save hook pass the same metadata object to ``save_kv_layer``.
     """
-    probe = _layer_hooks._connector_probe()
+    active_connector = layerwise.connector_getter()
     record = event_recorder()
     layer_metadata, kv_ready = layerwise.layer_metadata, layerwise.kv_ready
+    argument = layerwise.argument
 
     def save_hook_wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if probe._KV_CONNECTOR_AGENT is not None:
-            layer_name = args[0] if args else kwargs["layer_name"]
+        if active_connector() is not None:
+            layer_name = argument(args, kwargs, 0, "layer_name")
             md = layer_metadata(layer_name)
             if md is not None:
                 kv_ready(layer_name, record(layer_name), md)
@@ -170,62 +163,6 @@ def make_save_hook_wrapper() -> Wrapper:
 
     return save_hook_wrapper
 
-
-# Leading parameters of each era's target (checked by scripts/verify_targets.py).
-EXPECTED_PARAMS: dict[str, tuple[str, ...]] = {
-    "vllm-0.11": ("layer_name", "kv_cache_layer"),
-    "vllm-0.15": ("key", "value", "layer_name"),
-    "vllm-0.16": ("key", "value", "layer_name"),
-    "vllm-0.17-mla": ("kv_c_normed", "k_pe", "layer_name"),
-    "vllm-0.17-rope-fused": (
-        "query",
-        "key",
-        "value",
-        "positions",
-        "cos_sin_cache",
-        "is_neox",
-        "layer_name",
-    ),
-    "vllm-0.26-qk-norm-rope-fused": (
-        "q_out",
-        "k_out",
-        "qkv",
-        "positions",
-        "q_weight",
-        "k_weight",
-        "rms_norm_eps",
-        "cos_sin_cache",
-        "is_neox",
-        "layer_name",
-    ),
-    "vllm-0.31-qk-norm-mrope-fused": (
-        "q_out",
-        "qkv",
-        "positions",
-        "q_weight",
-        "k_weight",
-        "rms_norm_eps",
-        "cos_sin_cache",
-        "is_neox",
-        "mrope_section_t",
-        "mrope_section_h",
-        "mrope_section_w",
-        "is_interleaved",
-        "rotary_dim",
-        "layer_name",
-    ),
-    "vllm-0.22-mla-rope-fused": (
-        "positions",
-        "q_pe",
-        "k_pe",
-        "kv_c",
-        "cos_sin_cache",
-        "is_neox",
-        "kv_cache_dtype",
-        "kv_cache_scale",
-        "layer_name",
-    ),
-}
 
 _ATTN_016 = "vllm.model_executor.layers.attention.attention"
 _MLA_016 = "vllm.model_executor.layers.attention.mla_attention"
@@ -237,96 +174,148 @@ _FUSED_WHY = (
 )
 
 
-def _op_record(era: str, target: str, op: str, requires: str, upstream: str) -> PatchRecord:
-    return PatchRecord(
-        name=NAME,
-        era=era,
-        target=target,
-        requires={"vllm": requires},
-        skip_when=layerwise.idle,
-        make_wrapper=functools.partial(
-            make_kv_update_wrapper, EXPECTED_PARAMS[era].index("layer_name")
-        ),
-        why=WHY,
-        upstream=upstream,
-        removal=REMOVAL,
-        default=False,
-        kind=Kind.OP_KERNEL,
-        op=op,
-        dispatch_key=_vllm_compat.DISPATCH_KEY,
-    )
-
-
-RECORDS: tuple[PatchRecord, ...] = (
-    PatchRecord(
-        name=NAME,
-        era="vllm-0.11",
-        target="vllm.attention.layer:maybe_save_kv_layer_to_connector",
-        requires={"vllm": ">=0.11,<0.12"},
-        skip_when=layerwise.idle,
-        make_wrapper=make_save_hook_wrapper,
-        why=WHY,
-        upstream=(
-            "vLLM 0.9.2-0.11.x: the KV write is inside the backend forward; "
-            "unified_attention(_with_output) then calls the module-global "
-            "maybe_save_kv_layer_to_connector (removed in 0.12 by vLLM PR #27816)."
-        ),
-        removal=REMOVAL,
-        default=False,
-    ),
-    _op_record(
+# (era, target, op, leading parameters of the target, requires, upstream) of every op
+# kernel that writes a layer's KV cache; the wrapper reads ``layer_name`` where the
+# parameters say (the dispatcher passes it positionally).
+_KV_UPDATES: tuple[tuple[str, str, str, tuple[str, ...], str, str], ...] = (
+    (
         "vllm-0.15",
         "vllm.attention.layer:unified_kv_cache_update",
         "vllm::unified_kv_cache_update",
+        ("key", "value", "layer_name"),
         ">=0.15.1,<0.16",
         "vLLM 0.15.1: the KV write moved out of the backend forward into the op "
         "unified_kv_cache_update(key, value, layer_name) (vllm/attention/layer.py).",
     ),
-    _op_record(
+    (
         "vllm-0.16",
         f"{_ATTN_016}:unified_kv_cache_update",
         "vllm::unified_kv_cache_update",
+        ("key", "value", "layer_name"),
         ">=0.16,<0.34",
         "vLLM 0.16-0.33: unified_kv_cache_update in model_executor/layers/attention/"
         "attention.py; layer_name may be a LayerName from 0.20.",
     ),
-    _op_record(
+    (
         "vllm-0.17-mla",
         f"{_MLA_016}:unified_mla_kv_cache_update",
         "vllm::unified_mla_kv_cache_update",
+        ("kv_c_normed", "k_pe", "layer_name"),
         ">=0.17.1,<0.34",
         "vLLM 0.17.1-0.33 (absent in 0.16.0): MLA writes its latent KV in the op "
         "unified_mla_kv_cache_update(kv_c_normed, k_pe, layer_name, ...).",
     ),
-    _op_record(
+    (
         "vllm-0.17-rope-fused",
         f"{_FUSION}.rope_kvcache_fusion:fused_rope_and_unified_kv_cache_update_impl",
         "vllm::fused_rope_and_unified_kv_cache_update",
+        (
+            "query",
+            "key",
+            "value",
+            "positions",
+            "cos_sin_cache",
+            "is_neox",
+            "layer_name",
+        ),
         ">=0.17.1,<0.34",
         "vLLM 0.17.1-0.33: compilation/passes/fusion/rope_kvcache_fusion.py." + _FUSED_WHY,
     ),
-    _op_record(
+    (
         "vllm-0.26-qk-norm-rope-fused",
         f"{_FUSION}.qk_norm_rope_kvcache_fusion:fused_qk_norm_rope_and_unified_kv_cache_update_impl",
         "vllm::fused_qk_norm_rope_and_unified_kv_cache_update",
+        (
+            "q_out",
+            "k_out",
+            "qkv",
+            "positions",
+            "q_weight",
+            "k_weight",
+            "rms_norm_eps",
+            "cos_sin_cache",
+            "is_neox",
+            "layer_name",
+        ),
         ">=0.26,<0.34",
         "vLLM 0.26-0.33: compilation/passes/fusion/qk_norm_rope_kvcache_fusion.py." + _FUSED_WHY,
     ),
-    _op_record(
+    (
         "vllm-0.31-qk-norm-mrope-fused",
         f"{_FUSION}.qk_norm_rope_kvcache_fusion:fused_qk_norm_mrope_and_unified_kv_cache_update_impl",
         "vllm::fused_qk_norm_mrope_and_unified_kv_cache_update",
+        (
+            "q_out",
+            "qkv",
+            "positions",
+            "q_weight",
+            "k_weight",
+            "rms_norm_eps",
+            "cos_sin_cache",
+            "is_neox",
+            "mrope_section_t",
+            "mrope_section_h",
+            "mrope_section_w",
+            "is_interleaved",
+            "rotary_dim",
+            "layer_name",
+        ),
         ">=0.31,<0.34",
         "vLLM 0.31-0.33: the M-RoPE variant in qk_norm_rope_kvcache_fusion.py." + _FUSED_WHY,
     ),
-    _op_record(
+    (
         "vllm-0.22-mla-rope-fused",
         f"{_FUSION}.mla_rope_kvcache_cat_fusion:fused_rope_unified_mla_kv_cache_update_impl",
         "vllm::fused_rope_unified_mla_kv_cache_update",
+        (
+            "positions",
+            "q_pe",
+            "k_pe",
+            "kv_c",
+            "cos_sin_cache",
+            "is_neox",
+            "kv_cache_dtype",
+            "kv_cache_scale",
+            "layer_name",
+        ),
         ">=0.22.1,<0.34",
         "vLLM 0.22.1-0.33: compilation/passes/fusion/mla_rope_kvcache_cat_fusion.py (MLA)."
         + _FUSED_WHY,
     ),
+)
+
+RECORDS: tuple[PatchRecord, ...] = table(
+    NAME,
+    "vllm",
+    "era target requires make_wrapper upstream expect",
+    (
+        (
+            "vllm-0.11",
+            "vllm.attention.layer:maybe_save_kv_layer_to_connector",
+            ">=0.11,<0.12",
+            make_save_hook_wrapper,
+            "vLLM 0.9.2-0.11.x: the KV write is inside the backend forward; "
+            "unified_attention(_with_output) then calls the module-global "
+            "maybe_save_kv_layer_to_connector (removed in 0.12 by vLLM PR #27816).",
+            (leading(("layer_name", "kv_cache_layer")),),
+        ),
+        *(
+            (
+                era,
+                target,
+                requires,
+                functools.partial(make_kv_update_wrapper, arg_index(params, "layer_name")),
+                upstream,
+                (leading(params),),
+                {"kind": Kind.OP_KERNEL, "op": op, "dispatch_key": _vllm_compat.DISPATCH_KEY},
+            )
+            for era, target, op, params, requires, upstream in _KV_UPDATES
+        ),
+    ),
+    skip_when=layerwise.idle,
+    why=WHY,
+    removal=REMOVAL,
+    default=False,
 )
 
 PATCH_SET = PatchSet(

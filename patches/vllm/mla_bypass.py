@@ -17,21 +17,18 @@ in docs/PATCHES.md (``bypass-survey``), written by ``scripts/verify_targets.py -
 Limit: ``_attention`` carries ``@eager_break_during_capture``; the wrapper sits outside it,
 so under breakable / FULL CUDA-graph capture the hooks run at capture time only, exactly
 as vLLM's own hooks would not run in FULL graphs. Use eager or PIECEWISE mode for
-layerwise transfer (as for every layer; targets.md gotcha 4).
+layerwise transfer, as for every layer: FULL graphs replay kernels without Python.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks
-from ucm_patch.records import PatchRecord, PatchSet
+from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
-    from typing import Any
-
     from ucm_patch.records import Wrapper
 
 NAME = "mla_bypass"
@@ -45,27 +42,24 @@ REMOVAL = (
     "with maybe_transfer_kv_layer as models/step5 does); none as of vLLM 0.33."
 )
 
-# Leading parameters of each era's target (checked by scripts/verify_targets.py).
-EXPECTED_PARAMS: dict[str, tuple[str, ...]] = {
-    "vllm-0.27-kimi-k3-nvidia": ("self", "positions", "q", "kv_c_normed", "k_pe", "attn_out"),
-    "vllm-0.32-kimi-k3-amd": (
-        "self",
-        "q",
-        "kv_c_normed",
-        "k_pe",
-        "positions",
-        "output_shape",
-        "attn_metadata",
-        "layer",
-        "kv_cache",
-    ),
-}
-
-
+# Leading parameters of each era's target (``leading`` checks, verified against every vLLM
+# wheel by ucm_patch.verify.vllm).
+ATTENTION_PARAMS = ("self", "positions", "q", "kv_c_normed", "k_pe", "attn_out")
+FUSED_DECODE_PARAMS = (
+    "self",
+    "q",
+    "kv_c_normed",
+    "k_pe",
+    "positions",
+    "output_shape",
+    "attn_metadata",
+    "layer",
+    "kv_cache",
+)
 # KimiK3MultiHeadLatentAttentionWrapper._fused_decode(self, q, ..., layer, kv_cache, ...):
 # positions in ``args`` as wrapt passes them (without self).
-FUSED_DECODE_LAYER_INDEX = EXPECTED_PARAMS["vllm-0.32-kimi-k3-amd"].index("layer") - 1
-FUSED_DECODE_KV_CACHE_INDEX = EXPECTED_PARAMS["vllm-0.32-kimi-k3-amd"].index("kv_cache") - 1
+FUSED_DECODE_LAYER_INDEX = arg_index(FUSED_DECODE_PARAMS, "layer")
+FUSED_DECODE_KV_CACHE_INDEX = arg_index(FUSED_DECODE_PARAMS, "kv_cache")
 
 
 def make_kimi_nvidia_wrapper() -> Wrapper:
@@ -79,59 +73,38 @@ def make_kimi_amd_fused_decode_wrapper() -> Wrapper:
     ``instance`` is the model-side wrapper module; the ``MLAAttention`` layer (arg 6)
     owns the name and the cache passed as arg 7 is what the fused kernel writes.
     """
-    probe = _layer_hooks._connector_probe()
-    begin, end, save = layerwise.begin, layerwise.end, layerwise.save
-    layer_i, kv_i = FUSED_DECODE_LAYER_INDEX, FUSED_DECODE_KV_CACHE_INDEX
-
-    def kimi_fused_decode_wrapper(
-        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        if probe._KV_CONNECTOR_AGENT is None:
-            return wrapped(*args, **kwargs)
-        layer = args[layer_i] if len(args) > layer_i else kwargs["layer"]
-        layer_name = layer.layer_name
-        md = begin(layer_name)
-        if md is None:
-            return wrapped(*args, **kwargs)
-        try:
-            result = wrapped(*args, **kwargs)
-        finally:
-            end(layer_name)
-        save(layer_name, args[kv_i] if len(args) > kv_i else kwargs["kv_cache"], md)
-        return result
-
-    return kimi_fused_decode_wrapper
+    return _layer_hooks.make_layer_argument_wrapper(
+        FUSED_DECODE_LAYER_INDEX, FUSED_DECODE_KV_CACHE_INDEX
+    )
 
 
-RECORDS: tuple[PatchRecord, ...] = (
-    PatchRecord(
-        name=NAME,
-        era="vllm-0.27-kimi-k3-nvidia",
-        target="vllm.models.kimi_k3.nvidia.mla:MultiHeadLatentAttention._attention",
-        requires={"vllm": ">=0.27,<0.34"},
-        skip_when=layerwise.idle,
-        make_wrapper=make_kimi_nvidia_wrapper,
-        why=WHY,
-        upstream=(
+RECORDS: tuple[PatchRecord, ...] = table(
+    NAME,
+    "vllm",
+    "era target requires make_wrapper upstream expect",
+    (
+        (
+            "vllm-0.27-kimi-k3-nvidia",
+            "vllm.models.kimi_k3.nvidia.mla:MultiHeadLatentAttention._attention",
+            ">=0.27,<0.34",
+            make_kimi_nvidia_wrapper,
             "vLLM 0.27.1-0.33: vllm/models/kimi_k3/nvidia/mla.py, a self-contained MLA layer "
-            "(registers itself in static_forward_context under layer_name = prefix); UCM #1250."
+            "(registers itself in static_forward_context under layer_name = prefix); UCM #1250.",
+            (leading(ATTENTION_PARAMS),),
         ),
-        removal=REMOVAL,
-    ),
-    PatchRecord(
-        name=NAME,
-        era="vllm-0.32-kimi-k3-amd",
-        target=("vllm.models.kimi_k3.amd.mla:KimiK3MultiHeadLatentAttentionWrapper._fused_decode"),
-        requires={"vllm": ">=0.32,<0.34"},
-        skip_when=layerwise.idle,
-        make_wrapper=make_kimi_amd_fused_decode_wrapper,
-        why=WHY,
-        upstream=(
+        (
+            "vllm-0.32-kimi-k3-amd",
+            "vllm.models.kimi_k3.amd.mla:KimiK3MultiHeadLatentAttentionWrapper._fused_decode",
+            ">=0.32,<0.34",
+            make_kimi_amd_fused_decode_wrapper,
             "vLLM 0.32-0.33: vllm/models/kimi_k3/amd/mla.py, decode-only batches take the "
-            "fused AITER path (_fused_decode), not MLAAttention."
+            "fused AITER path (_fused_decode), not MLAAttention.",
+            (leading(FUSED_DECODE_PARAMS),),
         ),
-        removal=REMOVAL,
     ),
+    skip_when=layerwise.idle,
+    why=WHY,
+    removal=REMOVAL,
 )
 
 PATCH_SET = PatchSet(

@@ -2,9 +2,9 @@
 
 Every record here gates on ``vllm-ascend`` only: the core (``ucm_patch.versions.align_ascend``)
 already replaces a stale vLLM-Ascend version by the paired vLLM release on a major.minor
-mismatch ("vLLM wins"), and ``ucm-patch status`` shows the mismatch. Each module also
-exports ``EXPECT`` (record id -> the source facts it relies on), read by
-scripts/verify_ascend_targets.py and by the tests.
+mismatch ("vLLM wins"), and ``ucm-patch status`` shows the mismatch. Each record's
+``expect`` states the source facts it relies on (the names in :mod:`.checks`), verified by
+:mod:`ucm_patch.verify.ascend` and by the tests.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from ucm_patch.patches.vllm_ascend import (
     reshape_cache_event,
     sfa_wait,
 )
-from ucm_patch.patches.vllm_ascend._checks import Check
 from ucm_patch.records import PatchSet
 
 PATCH_SETS: tuple[PatchSet, ...] = (
@@ -24,10 +23,3 @@ PATCH_SETS: tuple[PatchSet, ...] = (
     hook_bindings.PATCH_SET,
     sfa_wait.PATCH_SET,
 )
-
-EXPECT: dict[str, tuple[Check, ...]] = {
-    **gdn_layerwise.EXPECT,
-    **reshape_cache_event.EXPECT,
-    **hook_bindings.EXPECT,
-    **sfa_wait.EXPECT,
-}

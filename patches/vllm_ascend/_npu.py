@@ -24,7 +24,8 @@ turns the event into a non-zero integer. ``query_before_sync`` is printed for in
 
 from __future__ import annotations
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
+from ucm_patch.typing_guard import TYPE_CHECKING
+
 if TYPE_CHECKING:
     from typing import Any
 

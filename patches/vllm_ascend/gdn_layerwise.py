@@ -48,10 +48,10 @@ from collections.abc import Callable
 
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm_ascend import _ascend_compat as compat
-from ucm_patch.patches.vllm_ascend import _checks as c
-from ucm_patch.records import PatchRecord, PatchSet
+from ucm_patch.patches.vllm_ascend import checks as c
+from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
     from typing import Any
 
@@ -94,32 +94,12 @@ _ASCEND_310_CORE = f"{_310}:AscendGatedDeltaNetAttention310._forward_core"
 def make_core_wrapper(kv_mode: str) -> Wrapper:
     """Wrapper for a GDN core method; the layer is the bound instance, its name ``prefix``.
 
-    ``kv_mode`` picks the KV cache the way the era's core does (see _ascend_compat).
+    ``kv_mode`` picks the KV cache the way the era's core does (see _ascend_compat). An
+    unbound copy of the method (vLLM-Ascend copies methods between classes) gets the layer
+    as its first argument: the bracket takes it from there.
     """
-    layerwise.bind()
-    get_forward_context = compat.forward_context_getter()
-    kv_cache_of = compat.gdn_kv_cache_getter(kv_mode)
-    begin, end, save = layerwise.begin, layerwise.end, layerwise.save
-
-    def ascend_gdn_core_wrapper(
-        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        # vLLM-Ascend copies methods between classes; a copy of an already wrapped method
-        # that another wrapper calls as a plain function arrives unbound (wrapt passes
-        # instance=None and the layer as the first argument).
-        layer = instance if instance is not None else args[0]
-        layer_name = layer.prefix
-        md = begin(layer_name)
-        if md is None:
-            return wrapped(*args, **kwargs)
-        try:
-            result = wrapped(*args, **kwargs)
-        finally:
-            end(layer_name)
-        save(layer_name, kv_cache_of(layer, get_forward_context()), md)
-        return result
-
-    return ascend_gdn_core_wrapper
+    site = layerwise.LayerSite(name_attr="prefix", stage=compat.gdn_kv_stage(kv_mode))
+    return layerwise.layer_bracket(site)
 
 
 def make_anonymous_filter() -> Wrapper:
@@ -127,254 +107,211 @@ def make_anonymous_filter() -> Wrapper:
 
     Drops ``("", ...)`` calls (the layer-counting save); anything else passes through.
     """
+    argument = layerwise.argument
 
     def drop_anonymous_gdn_save(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        layer_name = args[0] if args else kwargs.get("layer_name")
-        if layer_name == "":
+        if argument(args, kwargs, 0, "layer_name", None) == "":
             return None
         return wrapped(*args, **kwargs)
 
     return drop_anonymous_gdn_save
 
 
-def _core(
-    era: str,
-    target: str,
-    requires: str,
-    kv_mode: str,
-    upstream: str,
-    checks: tuple[c.Check, ...],
-    optional: bool = False,
-) -> tuple[PatchRecord, tuple[c.Check, ...]]:
-    record = PatchRecord(
-        name=NAME,
-        era=era,
-        target=target,
-        requires={"vllm-ascend": requires},
-        make_wrapper=functools.partial(make_core_wrapper, kv_mode),
-        why=WHY,
-        upstream=upstream,
-        removal=REMOVAL,
-        optional=optional,
-        supersedes=_SUPERSEDES.get(era, ()),
-    )
-    return record, checks
-
-
-def _copied_core(
-    era: str,
-    module: str,
-    vllm_cls: str,
-    ascend_cls: str,
-    requires: str,
-    kv_mode: str,
-    upstream: str,
-) -> tuple[PatchRecord, tuple[c.Check, ...]]:
-    """A core that vLLM-Ascend copies onto vLLM's class inside ``module``."""
+def _copy_checks(module: str, vllm_cls: str, ascend_cls: str, kv_mode: str) -> tuple[c.Check, ...]:
+    """What a core vLLM-Ascend copies onto vLLM's class inside ``module`` relies on."""
     code = f"{module}:{ascend_cls}._forward_core"
-    checks = (
+    return (
         c.signature(code, CORE_PARAMS),
         c.assigned(module, f"{vllm_cls}._forward_core", f"{ascend_cls}._forward_core"),
         c.local(code, "self_kv_cache", compat.KV_CACHE_EXPR[kv_mode]),
     )
-    return _core(era, f"{module}:{vllm_cls}._forward_core", requires, kv_mode, upstream, checks)
 
-
-def _anonymous(
-    era: str, module: str, requires: str, upstream: str
-) -> tuple[PatchRecord, tuple[c.Check, ...]]:
-    record = PatchRecord(
-        name=NAME,
-        era=era,
-        target=f"{module}:{c.SAVE}",
-        requires={"vllm-ascend": requires},
-        make_wrapper=make_anonymous_filter,
-        why=WHY_ANON,
-        upstream=upstream,
-        removal=REMOVAL,
-    )
-    return record, (c.binding(module, c.SAVE), c.anonymous_only(module, c.SAVE))
-
-
-# On an NPU, vLLM-Ascend overwrites (or swaps out the class of) the method vLLM's own GDN
-# record would wrap, so those records are skipped where an Ascend era is in range
-# (reported as "superseded by ..." rather than a misleading "applied").
-_SUPERSEDES: dict[str, tuple[str, ...]] = {
-    "ascend-0.11": ("gdn_layerwise@vllm-0.10",),
-    "ascend-0.13": ("gdn_layerwise@vllm-0.12",),
-    "ascend-0.18": ("gdn_layerwise@vllm-0.12",),
-    "ascend-0.19": ("gdn_layerwise@vllm-0.19", "gdn_layerwise@vllm-0.21-rocm"),
-    "ascend-0.21": ("gdn_layerwise@vllm-0.22",),
-}
 
 _DIRECT = compat.KV_DIRECT
-_ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
-    _core(
-        "ascend-0.11",
-        f"{_MODELS}:CustomQwen3NextGatedDeltaNet._forward",
-        ">=0.11,<0.12",
-        compat.KV_VIRTUAL_ENGINE,
-        "vLLM-Ascend 0.11.0: its Qwen3-Next model (registered by the model plugin) uses "
-        "CustomQwen3NextGatedDeltaNet, whose _forward overrides vLLM's; op vllm::gdn_attention "
-        "calls it eagerly.",
+_VE = compat.KV_VIRTUAL_ENGINE
+_VE_018 = compat.KV_VIRTUAL_ENGINE_IF_VLLM_018
+# ``supersedes``: on an NPU, vLLM-Ascend overwrites (or swaps out the class of) the method
+# vLLM's own GDN record would wrap, so those records are skipped where an Ascend era is in
+# range (reported as "superseded by ..." rather than a misleading "applied").
+_CORE_RECORDS = table(
+    NAME,
+    "vllm-ascend",
+    "era target requires make_wrapper upstream expect",
+    (
         (
-            c.signature(f"{_MODELS}:CustomQwen3NextGatedDeltaNet._forward", FORWARD_011_PARAMS),
-            c.local(
-                f"{_MODELS}:CustomQwen3NextGatedDeltaNet._forward",
-                "self_kv_cache",
-                compat.KV_CACHE_EXPR[compat.KV_VIRTUAL_ENGINE],
+            "ascend-0.11",
+            f"{_MODELS}:CustomQwen3NextGatedDeltaNet._forward",
+            ">=0.11,<0.12",
+            functools.partial(make_core_wrapper, _VE),
+            "vLLM-Ascend 0.11.0: its Qwen3-Next model (registered by the model plugin) uses "
+            "CustomQwen3NextGatedDeltaNet, whose _forward overrides vLLM's; op "
+            "vllm::gdn_attention calls it eagerly.",
+            (
+                c.signature(f"{_MODELS}:CustomQwen3NextGatedDeltaNet._forward", FORWARD_011_PARAMS),
+                c.local(
+                    f"{_MODELS}:CustomQwen3NextGatedDeltaNet._forward",
+                    "self_kv_cache",
+                    compat.KV_CACHE_EXPR[_VE],
+                ),
+            ),
+            {"supersedes": ("gdn_layerwise@vllm-0.10",)},
+        ),
+        (
+            "ascend-0.13",
+            f"{_PQN}:Qwen3NextGatedDeltaNet._forward_core",
+            ">=0.13,<0.18",
+            functools.partial(make_core_wrapper, _VE),
+            "vLLM-Ascend 0.13.0rc1-0.17: patch_qwen3_next.py assigns "
+            "AscendQwen3Next_GatedDeltaNet._forward_core onto vLLM's Qwen3NextGatedDeltaNet in "
+            "NPUWorker.__init__ (after general plugins); op vllm::gdn_attention_core calls it.",
+            _copy_checks(_PQN, "Qwen3NextGatedDeltaNet", "AscendQwen3Next_GatedDeltaNet", _VE),
+            {"supersedes": ("gdn_layerwise@vllm-0.12",)},
+        ),
+        (
+            "ascend-0.18",
+            f"{_PQN}:Qwen3NextGatedDeltaNet._forward_core",
+            ">=0.18,<0.19",
+            functools.partial(make_core_wrapper, _VE_018),
+            "vLLM-Ascend 0.18: same copy; the core indexes the KV cache with virtual_engine only "
+            'when vllm_version_is("0.18.0"), else 0.',
+            _copy_checks(_PQN, "Qwen3NextGatedDeltaNet", "AscendQwen3Next_GatedDeltaNet", _VE_018),
+            {"supersedes": ("gdn_layerwise@vllm-0.12",)},
+        ),
+        (
+            "ascend-0.17-qwen3_5",
+            f"{_PQ35}:Qwen3_5GatedDeltaNet._forward_core",
+            ">=0.17,<0.18",
+            functools.partial(make_core_wrapper, _VE),
+            "vLLM-Ascend 0.17.0rc1: patch_qwen3_5.py assigns AscendQwen3_5GatedDeltaNet."
+            "_forward_core onto vLLM's Qwen3_5GatedDeltaNet (Qwen3.5).",
+            _copy_checks(_PQ35, "Qwen3_5GatedDeltaNet", "AscendQwen3_5GatedDeltaNet", _VE),
+        ),
+        (
+            "ascend-0.18-qwen3_5",
+            f"{_PQ35}:Qwen3_5GatedDeltaNet._forward_core",
+            ">=0.18,<0.19",
+            functools.partial(make_core_wrapper, _VE_018),
+            "vLLM-Ascend 0.18: same Qwen3.5 copy with the 0.18 KV-cache index.",
+            _copy_checks(_PQ35, "Qwen3_5GatedDeltaNet", "AscendQwen3_5GatedDeltaNet", _VE_018),
+        ),
+        (
+            "ascend-0.19",
+            _ASCEND_CORE,
+            ">=0.19,<0.26",
+            functools.partial(make_core_wrapper, _DIRECT),
+            "vLLM-Ascend 0.19.1rc1-0.25.1rc1: ops/gdn.py AscendGatedDeltaNetAttention replaces "
+            "vLLM's GatedDeltaNetAttention via CustomOp.register_oot, so instances are this "
+            "class and vLLM's _forward_core is never reached.",
+            (
+                c.signature(_ASCEND_CORE, CORE_PARAMS),
+                c.local(_ASCEND_CORE, "self_kv_cache", compat.KV_CACHE_EXPR[_DIRECT]),
+            ),
+            {"supersedes": ("gdn_layerwise@vllm-0.19", "gdn_layerwise@vllm-0.21-rocm")},
+        ),
+        (
+            "ascend-0.19-310p",
+            _ASCEND_310_CORE,
+            ">=0.19,<0.26",
+            functools.partial(make_core_wrapper, _DIRECT),
+            "vLLM-Ascend 0.19.1rc1-0.25.1rc1 on 310P: register_oot uses "
+            "AscendGatedDeltaNetAttention310 (_310p/ops/fla/gdn_310.py) instead.",
+            (
+                c.signature(_ASCEND_310_CORE, CORE_PARAMS),
+                c.local(_ASCEND_310_CORE, "self_kv_cache", compat.KV_CACHE_EXPR[_DIRECT]),
             ),
         ),
-    ),
-    _copied_core(
-        "ascend-0.13",
-        _PQN,
-        "Qwen3NextGatedDeltaNet",
-        "AscendQwen3Next_GatedDeltaNet",
-        ">=0.13,<0.18",
-        compat.KV_VIRTUAL_ENGINE,
-        "vLLM-Ascend 0.13.0rc1-0.17: patch_qwen3_next.py assigns "
-        "AscendQwen3Next_GatedDeltaNet._forward_core onto vLLM's Qwen3NextGatedDeltaNet in "
-        "NPUWorker.__init__ (after general plugins); op vllm::gdn_attention_core calls it.",
-    ),
-    _copied_core(
-        "ascend-0.18",
-        _PQN,
-        "Qwen3NextGatedDeltaNet",
-        "AscendQwen3Next_GatedDeltaNet",
-        ">=0.18,<0.19",
-        compat.KV_VIRTUAL_ENGINE_IF_VLLM_018,
-        "vLLM-Ascend 0.18: same copy; the core indexes the KV cache with virtual_engine only "
-        'when vllm_version_is("0.18.0"), else 0.',
-    ),
-    _copied_core(
-        "ascend-0.17-qwen3_5",
-        _PQ35,
-        "Qwen3_5GatedDeltaNet",
-        "AscendQwen3_5GatedDeltaNet",
-        ">=0.17,<0.18",
-        compat.KV_VIRTUAL_ENGINE,
-        "vLLM-Ascend 0.17.0rc1: patch_qwen3_5.py assigns AscendQwen3_5GatedDeltaNet._forward_core "
-        "onto vLLM's Qwen3_5GatedDeltaNet (Qwen3.5).",
-    ),
-    _copied_core(
-        "ascend-0.18-qwen3_5",
-        _PQ35,
-        "Qwen3_5GatedDeltaNet",
-        "AscendQwen3_5GatedDeltaNet",
-        ">=0.18,<0.19",
-        compat.KV_VIRTUAL_ENGINE_IF_VLLM_018,
-        "vLLM-Ascend 0.18: same Qwen3.5 copy with the 0.18 KV-cache index.",
-    ),
-    _core(
-        "ascend-0.19",
-        _ASCEND_CORE,
-        ">=0.19,<0.26",
-        _DIRECT,
-        "vLLM-Ascend 0.19.1rc1-0.25.1rc1: ops/gdn.py AscendGatedDeltaNetAttention replaces vLLM's "
-        "GatedDeltaNetAttention via CustomOp.register_oot, so instances are this class and "
-        "vLLM's _forward_core is never reached.",
         (
-            c.signature(_ASCEND_CORE, CORE_PARAMS),
-            c.local(_ASCEND_CORE, "self_kv_cache", compat.KV_CACHE_EXPR[_DIRECT]),
-        ),
-    ),
-    _core(
-        "ascend-0.19-310p",
-        _ASCEND_310_CORE,
-        ">=0.19,<0.26",
-        _DIRECT,
-        "vLLM-Ascend 0.19.1rc1-0.25.1rc1 on 310P: register_oot uses "
-        "AscendGatedDeltaNetAttention310 (_310p/ops/fla/gdn_310.py) instead.",
-        (
-            c.signature(_ASCEND_310_CORE, CORE_PARAMS),
-            c.local(_ASCEND_310_CORE, "self_kv_cache", compat.KV_CACHE_EXPR[_DIRECT]),
-        ),
-    ),
-    _core(
-        "ascend-0.21",
-        f"{_PQ35}:_GDN_PATCH_TARGET._forward_core",
-        ">=0.21,<0.26",
-        _DIRECT,
-        "vLLM-Ascend 0.21.0rc1-0.25.1rc1: patch_qwen3_5.py copies AscendGatedDeltaNetAttention's "
-        "(310P: AscendGatedDeltaNetAttention310's) _forward_core onto _GDN_PATCH_TARGET = "
-        "vLLM's GatedDeltaNetAttention (vLLM 0.21) or QwenGatedDeltaNetAttention (0.22+), "
-        "which Qwen3.5 / Qwen3-Next instantiate.",
-        (
-            c.signature(_ASCEND_CORE, CORE_PARAMS),
-            c.signature(_ASCEND_310_CORE, CORE_PARAMS),
-            c.assigned(
-                _PQ35,
-                "_GDN_PATCH_TARGET._forward_core",
-                "AscendGatedDeltaNetAttention._forward_core",
+            "ascend-0.21",
+            f"{_PQ35}:_GDN_PATCH_TARGET._forward_core",
+            ">=0.21,<0.26",
+            functools.partial(make_core_wrapper, _DIRECT),
+            "vLLM-Ascend 0.21.0rc1-0.25.1rc1: patch_qwen3_5.py copies "
+            "AscendGatedDeltaNetAttention's (310P: AscendGatedDeltaNetAttention310's) "
+            "_forward_core onto _GDN_PATCH_TARGET = vLLM's GatedDeltaNetAttention (vLLM 0.21) "
+            "or QwenGatedDeltaNetAttention (0.22+), which Qwen3.5 / Qwen3-Next instantiate.",
+            (
+                c.signature(_ASCEND_CORE, CORE_PARAMS),
+                c.signature(_ASCEND_310_CORE, CORE_PARAMS),
+                c.assigned(
+                    _PQ35,
+                    "_GDN_PATCH_TARGET._forward_core",
+                    "AscendGatedDeltaNetAttention._forward_core",
+                ),
+                c.assigned(
+                    _PQ35,
+                    "_GDN_PATCH_TARGET._forward_core",
+                    "AscendGatedDeltaNetAttention310._forward_core",
+                ),
             ),
-            c.assigned(
-                _PQ35,
-                "_GDN_PATCH_TARGET._forward_core",
-                "AscendGatedDeltaNetAttention310._forward_core",
-            ),
+            {"supersedes": ("gdn_layerwise@vllm-0.22",)},
         ),
-    ),
-    _core(
-        "ascend-0.21-310p-idex",
-        f"{_IDEX}:GatedDeltaNetAttention._forward_core",
-        ">=0.21,<0.22",
-        _DIRECT,
-        "vLLM-Ascend 0.21.0rc1 on 310P: patch_idex_310.py copies AscendGatedDeltaNetAttention310."
-        '_forward_core onto vLLM\'s GatedDeltaNetAttention when vllm_version_is("0.21.0") '
-        "(absent from the module otherwise).",
         (
-            c.signature(_ASCEND_310_CORE, CORE_PARAMS),
-            c.assigned(
-                _IDEX,
-                "GatedDeltaNetAttention._forward_core",
-                "AscendGatedDeltaNetAttention310._forward_core",
+            "ascend-0.21-310p-idex",
+            f"{_IDEX}:GatedDeltaNetAttention._forward_core",
+            ">=0.21,<0.22",
+            functools.partial(make_core_wrapper, _DIRECT),
+            "vLLM-Ascend 0.21.0rc1 on 310P: patch_idex_310.py copies "
+            "AscendGatedDeltaNetAttention310._forward_core onto vLLM's GatedDeltaNetAttention "
+            'when vllm_version_is("0.21.0") (absent from the module otherwise).',
+            (
+                c.signature(_ASCEND_310_CORE, CORE_PARAMS),
+                c.assigned(
+                    _IDEX,
+                    "GatedDeltaNetAttention._forward_core",
+                    "AscendGatedDeltaNetAttention310._forward_core",
+                ),
             ),
+            {"optional": True},
         ),
-        optional=True,
-    ),
-    _core(
-        "ascend-0.21-310p-idex-qwen",
-        f"{_IDEX}:QwenGatedDeltaNetAttention._forward_core",
-        ">=0.21,<0.26",
-        _DIRECT,
-        "vLLM-Ascend 0.21.0rc1-0.25.1rc1 on 310P: patch_idex_310.py copies "
-        "AscendGatedDeltaNetAttention310._forward_core onto vLLM's QwenGatedDeltaNetAttention "
-        "(0.21.0rc1: only when vLLM is not 0.21.0, so the name may be absent there).",
         (
-            c.signature(_ASCEND_310_CORE, CORE_PARAMS),
-            c.assigned(
-                _IDEX,
-                "QwenGatedDeltaNetAttention._forward_core",
-                "AscendGatedDeltaNetAttention310._forward_core",
+            "ascend-0.21-310p-idex-qwen",
+            f"{_IDEX}:QwenGatedDeltaNetAttention._forward_core",
+            ">=0.21,<0.26",
+            functools.partial(make_core_wrapper, _DIRECT),
+            "vLLM-Ascend 0.21.0rc1-0.25.1rc1 on 310P: patch_idex_310.py copies "
+            "AscendGatedDeltaNetAttention310._forward_core onto vLLM's QwenGatedDeltaNetAttention "
+            "(0.21.0rc1: only when vLLM is not 0.21.0, so the name may be absent there).",
+            (
+                c.signature(_ASCEND_310_CORE, CORE_PARAMS),
+                c.assigned(
+                    _IDEX,
+                    "QwenGatedDeltaNetAttention._forward_core",
+                    "AscendGatedDeltaNetAttention310._forward_core",
+                ),
             ),
+            {"optional": True},
         ),
-        optional=True,
     ),
-    _anonymous(
+    why=WHY,
+    removal=REMOVAL,
+)
+
+# (era, module, requires, upstream) of every GDN module making the anonymous save
+_ANONYMOUS: tuple[tuple[str, str, str, str], ...] = (
+    (
         "ascend-0.17-anon",
         _PQN,
         ">=0.17,<0.19",
         "vLLM-Ascend 0.17.0rc1-0.18 (PR #7022): AscendQwen3Next_GatedDeltaNet.forward calls "
         'maybe_save_kv_layer_to_connector("", []) after the GDN op.',
     ),
-    _anonymous(
+    (
         "ascend-0.17-anon-qwen3_5",
         _PQ35,
         ">=0.17,<0.19",
         "vLLM-Ascend 0.17.0rc1-0.18: the Qwen3.5 GDN (patch_qwen3_5.py) makes the same "
         "anonymous call.",
     ),
-    _anonymous(
+    (
         "ascend-0.19-anon",
         _OPS,
         ">=0.19,<0.26",
         "vLLM-Ascend 0.19.1rc1-0.25.1rc1: AscendGatedDeltaNetAttention.forward (ops/gdn.py; "
         "0.23.0.post1 line 137) makes the anonymous call.",
     ),
-    _anonymous(
+    (
         "ascend-0.19-anon-310p",
         _310,
         ">=0.19,<0.26",
@@ -383,8 +320,24 @@ _ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
     ),
 )
 
-RECORDS: tuple[PatchRecord, ...] = tuple(r for r, _ in _ENTRIES)
-EXPECT: dict[str, tuple[c.Check, ...]] = {r.id: checks for r, checks in _ENTRIES}
+RECORDS: tuple[PatchRecord, ...] = _CORE_RECORDS + table(
+    NAME,
+    "vllm-ascend",
+    "era target requires upstream expect",
+    (
+        (
+            era,
+            f"{module}:{c.SAVE}",
+            requires,
+            upstream,
+            (c.binding(module, c.SAVE), c.anonymous_only(module, c.SAVE)),
+        )
+        for era, module, requires, upstream in _ANONYMOUS
+    ),
+    make_wrapper=make_anonymous_filter,
+    why=WHY_ANON,
+    removal=REMOVAL,
+)
 
 PATCH_SET = PatchSet(
     name=NAME,

@@ -36,11 +36,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ucm_patch.hooks import layerwise
-from ucm_patch.patches.vllm_ascend import _ascend_compat as compat
-from ucm_patch.patches.vllm_ascend import _checks as c
-from ucm_patch.records import PatchRecord, PatchSet
+from ucm_patch.patches.vllm_ascend import checks as c
+from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
     from typing import Any
 
@@ -64,9 +63,8 @@ SAVE_PARAMS = ("layer_name", "kv_cache_layer")
 
 def make_gate() -> Wrapper:
     """Wrapper for a ``wait_for_kv_layer_from_connector`` / ``maybe_save_...`` binding."""
-    layerwise.bind()
-    has_metadata = compat.connector_has_metadata()
-    active_connector = layerwise.active_connector
+    has_metadata = layerwise.has_metadata_check()
+    active_connector = layerwise.connector_getter()
 
     def connector_metadata_gate(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -113,32 +111,28 @@ def _era(module: str, hook: str, requires: str) -> str:
     return f"ascend-{first}-{short}-{'wait' if hook == c.WAIT else 'save'}"
 
 
-def _record(module: str, hook: str, requires: str, caller: str) -> PatchRecord:
-    return PatchRecord(
-        name=NAME,
-        era=_era(module, hook, requires),
-        target=f"{module}:{hook}",
-        requires={"vllm-ascend": requires},
-        make_wrapper=make_gate,
-        why=WHY,
-        upstream=(
+RECORDS: tuple[PatchRecord, ...] = table(
+    NAME,
+    "vllm-ascend",
+    "era target requires upstream expect",
+    (
+        (
+            _era(module, hook, requires),
+            f"{module}:{hook}",
+            requires,
             f"vLLM-Ascend {requires}: {module} imports {hook} by name from "
-            f"vllm_ascend.attention.utils and calls it from {caller}."
-        ),
-        removal=REMOVAL,
-    )
-
-
-RECORDS: tuple[PatchRecord, ...] = tuple(_record(*b) for b in _BINDINGS)
-EXPECT: dict[str, tuple[c.Check, ...]] = {
-    r.id: (
-        c.binding(r.module, r.qualname),
-        c.signature(
-            f"{c.UTILS}:{r.qualname}", WAIT_PARAMS if r.qualname == c.WAIT else SAVE_PARAMS
-        ),
-    )
-    for r in RECORDS
-}
+            f"vllm_ascend.attention.utils and calls it from {caller}.",
+            (
+                c.binding(module, hook),
+                c.signature(f"{c.UTILS}:{hook}", WAIT_PARAMS if hook == c.WAIT else SAVE_PARAMS),
+            ),
+        )
+        for module, hook, requires, caller in _BINDINGS
+    ),
+    make_wrapper=make_gate,
+    why=WHY,
+    removal=REMOVAL,
+)
 
 PATCH_SET = PatchSet(
     name=NAME,

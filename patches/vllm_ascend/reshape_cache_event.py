@@ -3,7 +3,7 @@
 Why: a layerwise dump must not read a layer's KV blocks before the NPU wrote them.
 vLLM-Ascend's answer is ``reshape_cache_event`` (PR #5303, v0.13.0rc2): a ``torch.npu.Event``
 recorded right after the cache write and stored on the layer's metadata, where its
-Mooncake layerwise connector and UCM #1025 (seed 001) read it: first
+Mooncake layerwise connector and UCM #1025 read it: first
 ``attn_metadata[layer_name].reshape_cache_event``, then ``attn_metadata.reshape_cache_event``.
 But vLLM-Ascend only records it for some roles and versions:
 
@@ -48,11 +48,11 @@ import functools
 from collections.abc import Callable
 
 from ucm_patch.hooks import layerwise
-from ucm_patch.patches.vllm_ascend import _checks as c
 from ucm_patch.patches.vllm_ascend import _npu
-from ucm_patch.records import PatchRecord, PatchSet
+from ucm_patch.patches.vllm_ascend import checks as c
+from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
     from typing import Any
 
@@ -93,20 +93,19 @@ def make_method_wrapper(params: tuple[str, ...], by_layer_name: bool) -> Wrapper
     impl instance stands for the layer and the write happens only when ``len(kv_cache) > 1``
     (attention's own condition).
     """
-    layerwise.bind()
-    event_cls = _npu.event_class()
+    record = layerwise.LayerEvents(_npu.event_class()).record
     md_i = c.arg_index(params, "attn_metadata")
     kv_i = c.arg_index(params, "kv_cache")
     name_i = c.arg_index(params, "layer_name") if by_layer_name else -1
-    active_connector, kv_ready = layerwise.active_connector, layerwise.kv_ready
-    events: dict[Any, Any] = {}
+    active_connector, kv_ready = layerwise.connector_getter(), layerwise.kv_ready
+    argument = layerwise.argument
 
     def reshape_cache_event_wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         if active_connector() is None:
             return wrapped(*args, **kwargs)
-        md = args[md_i] if len(args) > md_i else kwargs.get("attn_metadata")
+        md = argument(args, kwargs, md_i, "attn_metadata", None)
         if md is None:
             return wrapped(*args, **kwargs)
         before = getattr(md, "reshape_cache_event", None)
@@ -114,16 +113,12 @@ def make_method_wrapper(params: tuple[str, ...], by_layer_name: bool) -> Wrapper
         if md.reshape_cache_event is not before:
             return result  # upstream created and recorded its own event in this call
         if name_i < 0:
-            kv_cache = args[kv_i] if len(args) > kv_i else kwargs["kv_cache"]
-            if len(kv_cache) <= 1:
+            if len(argument(args, kwargs, kv_i, "kv_cache")) <= 1:
                 return result  # attention writes only when it has (key_cache, value_cache)
             key: Any = id(instance)
         else:
-            key = args[name_i] if len(args) > name_i else kwargs["layer_name"]
-        event = events.get(key)
-        if event is None:
-            event = events[key] = event_cls()
-        event.record()
+            key = argument(args, kwargs, name_i, "layer_name")
+        event = record(key)
         if name_i < 0:
             md.reshape_cache_event = event
         else:
@@ -139,24 +134,18 @@ def make_notify_wrapper() -> Wrapper:
     Records the layer's event and stores it on its per-layer metadata *before* the
     notification goes out, so a connector's ``on_kv_cache_written`` already finds it.
     """
-    layerwise.bind()
-    event_cls = _npu.event_class()
-    active_connector, kv_ready = layerwise.active_connector, layerwise.kv_ready
-    layer_metadata = layerwise.layer_metadata
-    events: dict[str, Any] = {}
+    record = layerwise.LayerEvents(_npu.event_class()).record
+    active_connector, kv_ready = layerwise.connector_getter(), layerwise.kv_ready
+    layer_metadata, argument = layerwise.layer_metadata, layerwise.argument
 
     def notify_wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        layer_name = args[0] if args else kwargs.get("layer_name", "")
+        layer_name = argument(args, kwargs, 0, "layer_name", "")
         if layer_name and active_connector() is not None:
             md = layer_metadata(layer_name)
             if md is not None:
-                event = events.get(layer_name)
-                if event is None:
-                    event = events[layer_name] = event_cls()
-                event.record()
-                kv_ready(layer_name, event, md)
+                kv_ready(layer_name, record(layer_name), md)
         return wrapped(*args, **kwargs)
 
     return notify_wrapper
@@ -169,43 +158,9 @@ _DSA = "vllm_ascend.attention.dsa_v1"
 _DSA_CP = "vllm_ascend.attention.context_parallel.dsa_cp"
 
 
-def _method(
-    era: str, target: str, params: tuple[str, ...], requires: str, upstream: str
-) -> tuple[PatchRecord, tuple[c.Check, ...]]:
-    by_name = "layer_name" in params
-    record = PatchRecord(
-        name=NAME,
-        era=era,
-        target=target,
-        requires={"vllm-ascend": requires},
-        make_wrapper=functools.partial(make_method_wrapper, params, by_name),
-        why=WHY,
-        upstream=upstream,
-        removal=REMOVAL,
-    )
-    return record, (c.signature(target, params), c.marks_write(target))
-
-
-def _notify(
-    era: str, module: str, requires: str, upstream: str
-) -> tuple[PatchRecord, tuple[c.Check, ...]]:
-    target = f"{module}:{c.NOTIFY}"
-    record = PatchRecord(
-        name=NAME,
-        era=era,
-        target=target,
-        requires={"vllm-ascend": requires},
-        make_wrapper=make_notify_wrapper,
-        why=WHY,
-        upstream=upstream,
-        removal=REMOVAL,
-    )
-    checks = (c.binding(module, c.NOTIFY), c.signature(f"{c.UTILS}:{c.NOTIFY}", NOTIFY_PARAMS))
-    return record, checks
-
-
-_ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
-    _method(
+# (era, target, its parameters, requires, upstream) of every method that writes the KV cache
+_WRITERS: tuple[tuple[str, str, tuple[str, ...], str, str], ...] = (
+    (
         "ascend-0.13",
         f"{_ATTN}:AscendAttentionBackendImpl.reshape_and_cache",
         PARAMS_013,
@@ -213,7 +168,7 @@ _ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
         "vLLM-Ascend 0.12.0rc1-0.15: reshape_and_cache(key, value, kv_cache, attn_metadata); "
         "event only if self.is_kv_producer (PR #5303, from 0.13.0rc2).",
     ),
-    _method(
+    (
         "ascend-0.16",
         f"{_ATTN}:AscendAttentionBackendImpl.reshape_and_cache",
         PARAMS_016,
@@ -222,7 +177,7 @@ _ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
         "attn_metadata, output); event only if self.is_kv_producer up to 0.22.1rc1, none from "
         "0.23.0rc1 (PR #11444: notify_kv_cache_written instead).",
     ),
-    _method(
+    (
         "ascend-0.13-cp",
         f"{_CP}:AscendAttentionCPImpl.reshape_and_cache",
         PARAMS_013,
@@ -230,7 +185,7 @@ _ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
         "vLLM-Ascend 0.13-0.15: the context-parallel impl overrides reshape_and_cache; no "
         "event before 0.15.0rc1, then only for producers.",
     ),
-    _method(
+    (
         "ascend-0.16-cp",
         f"{_CP}:AscendAttentionCPImpl.reshape_and_cache",
         PARAMS_016,
@@ -239,7 +194,7 @@ _ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
         "producers (0.16-0.22), none from 0.23; 0.25.1rc1 drops the override (the base "
         "method, wrapped above, runs).",
     ),
-    _method(
+    (
         "ascend-0.21-c8",
         f"{_ATTN}:AscendC8AttentionBackendImpl._reshape_and_cache",
         PARAMS_016,
@@ -247,7 +202,7 @@ _ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
         "vLLM-Ascend 0.21.0rc1-0.25: the INT8 KV-cache impl writes in _reshape_and_cache; "
         "event only for producers (0.21-0.22), none from 0.23.",
     ),
-    _method(
+    (
         "ascend-0.13-mla",
         f"{_MLA}:AscendMLAImpl._mla_preprocess",
         MLA_PARAMS,
@@ -256,7 +211,11 @@ _ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
         "is_kv_producer (0.13-0.17; 0.13 on prefill only), is_kv_producer and not is_kv_both "
         "(0.18-0.22), none from 0.23 (notify_kv_cache_written(layer_name) instead).",
     ),
-    _notify(
+)
+
+# (era, module, requires, upstream) of every by-name binding of notify_kv_cache_written
+_NOTIFIERS: tuple[tuple[str, str, str, str], ...] = (
+    (
         "ascend-0.23-mla",
         _MLA,
         ">=0.23,<0.26",
@@ -264,14 +223,14 @@ _ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
         "notify_kv_cache_written(layer_name); recording here puts the event on the metadata "
         "before the notification (the _mla_preprocess record then sees it and stands aside).",
     ),
-    _notify(
+    (
         "ascend-0.23-dsa",
         _DSA,
         ">=0.23,<0.26",
         "vLLM-Ascend 0.23-0.25: AscendDSAImpl._forward_prefill / _forward_decode call "
         "notify_kv_cache_written(layer_name) after each KV write; no event is created.",
     ),
-    _notify(
+    (
         "ascend-0.23-dsa-cp",
         _DSA_CP,
         ">=0.23,<0.26",
@@ -280,8 +239,37 @@ _ENTRIES: tuple[tuple[PatchRecord, tuple[c.Check, ...]], ...] = (
     ),
 )
 
-RECORDS: tuple[PatchRecord, ...] = tuple(r for r, _ in _ENTRIES)
-EXPECT: dict[str, tuple[c.Check, ...]] = {r.id: checks for r, checks in _ENTRIES}
+RECORDS: tuple[PatchRecord, ...] = table(
+    NAME,
+    "vllm-ascend",
+    "era target make_wrapper requires upstream expect",
+    (
+        *(
+            (
+                era,
+                target,
+                functools.partial(make_method_wrapper, params, "layer_name" in params),
+                requires,
+                upstream,
+                (c.signature(target, params), c.marks_write(target)),
+            )
+            for era, target, params, requires, upstream in _WRITERS
+        ),
+        *(
+            (
+                era,
+                f"{module}:{c.NOTIFY}",
+                make_notify_wrapper,
+                requires,
+                upstream,
+                (c.binding(module, c.NOTIFY), c.signature(f"{c.UTILS}:{c.NOTIFY}", NOTIFY_PARAMS)),
+            )
+            for era, module, requires, upstream in _NOTIFIERS
+        ),
+    ),
+    why=WHY,
+    removal=REMOVAL,
+)
 
 PATCH_SET = PatchSet(
     name=NAME,

@@ -22,10 +22,10 @@ import importlib
 from collections.abc import Callable
 
 from ucm_patch.hooks import layerwise
-from ucm_patch.patches.vllm_ascend import _checks as c
-from ucm_patch.records import PatchRecord, PatchSet
+from ucm_patch.patches.vllm_ascend import checks as c
+from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.typing_guard import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~7 ms)
 if TYPE_CHECKING:
     from typing import Any
 
@@ -62,8 +62,7 @@ _waited: set[str] = set()
 def make_forward_wrapper() -> Wrapper:
     """Wrapper for ``AscendSFAImpl.forward``: wait first, then run the method."""
     namespace = importlib.import_module(SFA).__dict__  # the target module, already imported
-    active_connector = layerwise.active_connector
-    layerwise.bind()
+    active_connector, argument = layerwise.connector_getter(), layerwise.argument
     waited, wait_name = _waited, c.WAIT
 
     def sfa_wait_first(
@@ -71,7 +70,7 @@ def make_forward_wrapper() -> Wrapper:
     ) -> Any:
         if active_connector() is None:
             return wrapped(*args, **kwargs)
-        layer_name = args[0] if args else kwargs["layer_name"]
+        layer_name = argument(args, kwargs, 0, "layer_name")
         namespace[wait_name](layer_name)  # looked up now: whatever wraps the binding applies
         waited.add(layer_name)
         try:
@@ -84,13 +83,12 @@ def make_forward_wrapper() -> Wrapper:
 
 def make_dedupe_wrapper() -> Wrapper:
     """Wrapper for ``sfa_v1.wait_for_kv_layer_from_connector``: skip a layer that waited."""
-    waited = _waited
+    waited, argument = _waited, layerwise.argument
 
     def skip_second_wait(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        layer_name = args[0] if args else kwargs["layer_name"]
-        if layer_name in waited:
+        if argument(args, kwargs, 0, "layer_name") in waited:
             return None
         return wrapped(*args, **kwargs)
 
@@ -98,39 +96,33 @@ def make_dedupe_wrapper() -> Wrapper:
 
 
 _FORWARD = f"{SFA}:AscendSFAImpl.forward"
-RECORDS: tuple[PatchRecord, ...] = (
-    PatchRecord(
-        name=NAME,
-        era="ascend-0.13",
-        target=_FORWARD,
-        requires={"vllm-ascend": REQUIRES},
-        make_wrapper=make_forward_wrapper,
-        why=WHY,
-        upstream=(
+RECORDS: tuple[PatchRecord, ...] = table(
+    NAME,
+    "vllm-ascend",
+    "era target make_wrapper upstream expect",
+    (
+        (
+            "ascend-0.13",
+            _FORWARD,
+            make_forward_wrapper,
             "vLLM-Ascend 0.13.0-0.18.0: the `if self.enable_mlapo and num_input_tokens <= "
             "MLAPO_MAX_SUPPORTED_TOKENS` branch of AscendSFAImpl.forward has no wait "
-            "(0.13.0rc1: `enable_mlapo and not has_prefill`); fixed in 0.19.1rc1."
+            "(0.13.0rc1: `enable_mlapo and not has_prefill`); fixed in 0.19.1rc1.",
+            (c.signature(_FORWARD, FORWARD_PARAMS), c.mlapo_no_wait(_FORWARD)),
         ),
-        removal=REMOVAL,
-    ),
-    PatchRecord(
-        name=NAME,
-        era="ascend-0.13-dedupe",
-        target=f"{SFA}:{c.WAIT}",
-        requires={"vllm-ascend": REQUIRES},
-        make_wrapper=make_dedupe_wrapper,
-        why=WHY,
-        upstream=(
+        (
+            "ascend-0.13-dedupe",
+            f"{SFA}:{c.WAIT}",
+            make_dedupe_wrapper,
             "vLLM-Ascend 0.13.0-0.18.0: the native branch of AscendSFAImpl.forward calls the "
-            "by-name binding sfa_v1.wait_for_kv_layer_from_connector(layer_name)."
+            "by-name binding sfa_v1.wait_for_kv_layer_from_connector(layer_name).",
+            (c.binding(SFA, c.WAIT), c.mlapo_no_wait(_FORWARD)),
         ),
-        removal=REMOVAL,
     ),
+    requires=REQUIRES,
+    why=WHY,
+    removal=REMOVAL,
 )
-EXPECT: dict[str, tuple[c.Check, ...]] = {
-    RECORDS[0].id: (c.signature(_FORWARD, FORWARD_PARAMS), c.mlapo_no_wait(_FORWARD)),
-    RECORDS[1].id: (c.binding(SFA, c.WAIT), c.mlapo_no_wait(_FORWARD)),
-}
 
 PATCH_SET = PatchSet(
     name=NAME,

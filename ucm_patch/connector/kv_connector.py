@@ -126,8 +126,8 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
                 can_dump=can_dump,
             )
             # The two per-layer calls go straight to the worker side: one Python frame
-            # less per layer per step each (~150 ns on the development VM, against the
-            # 2 us save budget of issue 4). The methods below remain the documented API.
+            # less per layer per step each (a sizeable share of the 2 us per-layer save
+            # budget). The methods below remain the documented API.
             self.wait_for_layer_load = self._worker_side.wait_for_layer_load  # type: ignore[method-assign]
             self.save_kv_layer = self._worker_side.save_kv_layer  # type: ignore[method-assign]
         logger.info(
@@ -259,7 +259,7 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # Non-HMA path, incl. MultiConnector with a non-HMA sibling (seed 000): the same
+        # Non-HMA path, incl. vLLM's MultiConnector with a non-HMA sibling: the same
         # decision as request_finished_all_groups, or finished_sending is miscounted.
         return self._side(self._sched_side, "request_finished").request_finished(request)
 
@@ -313,7 +313,7 @@ def stats() -> dict[str, int]:
 
 def wait_for_dumps(timeout: float = 30.0) -> bool:
     """Block until this process's dump scheduler has no dump in flight (tests, demo)."""
-    from ucm_patch.hooks.scheduler import get_scheduler
+    from ucm_patch.hooks.dump import get_scheduler
 
     sched = get_scheduler()
     deadline = time.monotonic() + timeout

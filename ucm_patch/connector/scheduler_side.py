@@ -23,7 +23,7 @@ Mamba/GDN groups the exact boundary-state blocks vLLM offers in
 ``scheduler_output.kv_connector_block_state`` (vLLM 0.32; such states are not positional,
 so without that offer no state is dumped and hybrid prefixes never hit).
 
-**Delayed free** (seed 000): ``request_finished`` / ``request_finished_all_groups`` return
+**Delayed free**: ``request_finished`` / ``request_finished_all_groups`` return
 True exactly for requests that had dump entries in some step's metadata and were not
 preempted since; every worker opens a dump batch for exactly those ids and reports them in
 ``finished_sending`` once their dumps are done. The same id set on both sides keeps

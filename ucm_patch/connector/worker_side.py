@@ -4,7 +4,7 @@ Runs in each vLLM worker process. Every storage row (layers whose pages alias) i
 one ``uint8`` tensor ``[num_blocks, page_bytes]`` over vLLM's own KV-cache memory, so a
 page is moved as raw bytes whatever the layer kind (attention KV, GDN conv + SSM state).
 
-**Dumps.** ``bind_connector_metadata`` opens one :class:`~ucm_patch.hooks.scheduler.Batch`
+**Dumps.** ``bind_connector_metadata`` opens one :class:`~ucm_patch.hooks.dump.Batch`
 per step for the requests with dump entries and precomputes each row's keys and block
 indices (once per step, not per layer). ``save_kv_layer`` at a row's last layer submits the
 row (:func:`ucm_patch.connector.rows.RowMap.dump_row`: one dict lookup on the hot path); rows
@@ -43,7 +43,7 @@ from ucm_patch.connector.config import ConnectorConfig
 from ucm_patch.connector.layout import KVLayout
 from ucm_patch.connector.meta import RequestLoad, UCMConnectorMetadata, UCMWorkerMetadata
 from ucm_patch.connector.rows import RowLoader
-from ucm_patch.hooks.scheduler import Batch, DumpScheduler, get_scheduler
+from ucm_patch.hooks.dump import Batch, DumpScheduler, get_scheduler
 from ucm_patch.hooks.stores.base import KVStore, StoreError
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ class WorkerSide:
             full_wait_s=config.dump_full_wait_s,
             blocking_finish=config.blocking_finish,
         )
+        # This connector's request ids: another connector in the process has its own.
+        self.dumps = self.sched.client(f"worker-{rank}")
         n = len(layout.rows)
         self.views: list[torch.Tensor | None] = [None] * n
         # Bound once for the save hook (once per layer per step).
@@ -195,7 +197,7 @@ class WorkerSide:
         # A batch left open (no wait_for_save since) would never be reported: close it.
         self._close_dumps()
         layout = self.layout
-        batch = self.sched.open_batch(md.dumps.keys(), self.store, md.step)
+        batch = self.dumps.open_batch(md.dumps.keys(), self.store, md.step)
         self._batch = batch
         self._pinned = md.pinned
         self._row_done[:] = bytes(len(self._row_done))
@@ -414,7 +416,7 @@ class WorkerSide:
         ``failures_as_block_errors``: also report a failed async load's blocks through
         :meth:`block_ids_with_load_errors` (vLLM without ``failed_recving``).
         """
-        done = self.sched.get_finished(finished_req_ids)
+        done = self.dumps.get_finished(finished_req_ids)
         if done.failed:
             logger.warning(
                 "ucm connector: %d finished request(s) had dumps that failed or were "
@@ -450,7 +452,7 @@ class WorkerSide:
         """Wait for the dumps that read preempted requests' blocks, then forget them."""
         ids = set(req_ids)
         if ids:
-            self.sched.handle_preemptions(ids)
+            self.dumps.handle_preemptions(ids)
 
     def worker_meta(self) -> UCMWorkerMetadata | None:
         """Pinned steps whose dumps are all done (the scheduler side unpins them)."""
@@ -480,5 +482,7 @@ class WorkerSide:
         }
 
     def shutdown(self) -> None:
-        """Stop the load threads (the dump scheduler is per process: it stops at exit)."""
+        """Stop the load threads and close this connector's dump client (the dump
+        scheduler is per process: it stops at exit; running dumps still finish)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.dumps.close()

@@ -21,12 +21,9 @@ import torch
 import torch_npu
 import vllm.forward_context as fc_module
 from vllm.distributed.kv_transfer import kv_transfer_state
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-)
 from vllm.forward_context import ForwardContext
 
+from tests.support.standin_connector import Entry, StandInConnector
 from ucm_patch.hooks import layerwise
 from ucm_patch.registry import Registry
 
@@ -51,7 +48,8 @@ def describe(obj: Any) -> str:
 
 
 def event_for(layer_name: str, md: Any) -> Any:
-    """Seed 001's reader: ``md[layer].reshape_cache_event``, else ``md.reshape_cache_event``."""
+    """How a connector finds a layer's KV-ready event: ``md[layer].reshape_cache_event``
+    (per-layer metadata), else ``md.reshape_cache_event``."""
     if isinstance(md, dict):
         per_layer = md.get(layer_name)
         event = getattr(per_layer, "reshape_cache_event", None)
@@ -60,60 +58,32 @@ def event_for(layer_name: str, md: Any) -> Any:
     return getattr(md, "reshape_cache_event", None)
 
 
-class _Meta(KVConnectorMetadata):
-    pass
+class ScenarioLog:
+    """The stand-in connector's log in the scenarios: its wait / save / notified calls go to
+    ``torch_npu.LOG`` with objects described by tag, next to the cache writes and events."""
 
-
-class RecordingConnector(KVConnectorBase_V1):
-    """vLLM's active connector in the scenarios: logs wait/save, transfers nothing."""
-
-    def __init__(self) -> None:  # the base needs a VllmConfig; only its metadata slot is used
-        self._connector_metadata = None
-        self.kv_written: list[str] = []
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        LOG.append(("wait", layer_name))
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        event = event_for(layer_name, attn_metadata)
-        LOG.append(
-            (
-                "save",
-                layer_name,
-                describe(kv_layer),
-                describe(attn_metadata),
-                getattr(event, "id", None),
-                getattr(event, "recorded_at", None),
+    def append(self, entry: Entry, /) -> None:
+        call = entry[0]
+        if call == "save":
+            _, layer_name, kv_layer, attn_metadata = entry
+            event = event_for(layer_name, attn_metadata)
+            LOG.append(
+                (
+                    "save",
+                    layer_name,
+                    describe(kv_layer),
+                    describe(attn_metadata),
+                    getattr(event, "id", None),
+                    getattr(event, "recorded_at", None),
+                )
             )
-        )
-
-    def on_kv_cache_written(self, layer_name: str) -> None:
-        LOG.append(("notified", layer_name))
-
-    def wait_for_save(self) -> None:
-        return None
-
-    def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        return 0, False
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        return None
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return _Meta()
+        elif call in ("wait", "notified"):
+            LOG.append(entry)
 
 
-def install_connector(with_metadata: bool = True) -> RecordingConnector:
-    connector = RecordingConnector()
-    if with_metadata:
-        connector.bind_connector_metadata(_Meta())
+def install_connector(with_metadata: bool = True) -> StandInConnector:
+    """Make the stand-in connector vLLM's active connector (``_KV_CONNECTOR_AGENT``)."""
+    connector = StandInConnector(log=ScenarioLog(), has_metadata=with_metadata)
     kv_transfer_state._KV_CONNECTOR_AGENT = connector
     return connector
 

@@ -1,103 +1,17 @@
 """DumpScheduler: one per worker process, shared by every KV-connector instance in it.
 
-The forward pass hands each layer's (or storage row's) dump to the scheduler and moves on;
-a bounded pool of worker threads waits for the dump's event, produces the bytes and puts
-them into the store. Requests are reported ``finished_sending`` only once every dump that
-reads their blocks is done, so vLLM keeps those blocks allocated until then.
+The forward pass hands each layer's (or storage row's) dump over and moves on; a bounded
+pool of worker threads waits for the dump's event, produces the bytes and puts them into
+the store, so the forward thread never waits on store I/O. Each connector keeps its
+requests in its own :class:`DumpClient`; the threads, task slots, event ledger, device and
+metrics are the process's. docs/DUMPS.md explains back-pressure, completion, preemption,
+delayed free and the locking.
 
-How a worker-side KV connector uses it (the calls vLLM makes, left; ours, right)::
-
-    __init__                         self.dumps = get_scheduler().client()  # own id space
-    bind_connector_metadata          batch = self.dumps.open_batch(ids_with_dumps, store, ctx)
-    save_kv_layer(layer, kv, md)     row = rows.dump_row(layer)       # -1: not a save layer
-                                     if row >= 0:
-                                         self.dumps.submit_layer(batch, layer, md, row,
-                                                                 keys, produce)
-    wait_for_save()                  (whole-model dumps: self.dumps.submit(...) per row)
-                                     self.dumps.seal(batch)           # never waits on I/O
-    get_finished(finished_ids)       done = self.dumps.get_finished(finished_ids)
-                                     return done.sending, None
-    handle_preemptions(md)           self.dumps.handle_preemptions(md.preempted_req_ids)
-    request_finished(req) (sched.)   return True for every request that had dump blocks in
-                                     some step's metadata and was not preempted since (see
-                                     "Delayed free" below); in-process: needs_delayed_free()
-    has_pending_push_work (sched.)   in-process: self.dumps.has_pending()
-    shutdown()                       self.dumps.close()
-
-**Shared vs per connector.** The worker threads, task slots, event ledger, device and
-metrics are shared by the whole process (:func:`get_scheduler`). Request bookkeeping is per
-:class:`DumpClient` — one per connector instance — because request ids are only unique
-within one engine (``LLM`` numbers its requests "0", "1", ...), and vLLM requires each
-connector to report only ids it was given. ``DumpScheduler`` itself is also a client (the
-default one), so a process with a single connector can call its methods directly.
-
-Per step the connector opens one :class:`Batch` holding the ids of the requests whose blocks
-this step's dumps read; per-layer submits then cost O(1) however many requests the step
-has (the per-request bookkeeping happens once per step in ``open_batch`` and once per
-finished batch on a worker thread).
-
-A dump task carries: its batch (request ids, the store, the connector's per-step context),
-the storage row, the keys, the payload and the event to wait on. The payload is either a
-sequence of bytes-like values aligned with ``keys`` (already on the host), or a callable
-``produce(task)`` run on a worker thread *after* the event completed (e.g. a device->host
-copy of ``task.row`` for the blocks in ``task.batch.context``); with ``keys=None`` the
-callable returns ``(keys, values)`` itself.
-
-Back-pressure (queue full): the scheduler has ``capacity`` preallocated task slots; a slot
-is held from submit until the dump finished, so in-flight dumps are bounded.
-
-* ``on_full="skip"`` (default): submit never blocks. The dump is **skipped**, counted in
-  ``dumps_skipped``, and its batch is marked failed, so every request in it comes back in
-  :attr:`FinishedDumps.failed` — the connector must not claim those requests' blocks as
-  stored (e.g. write no commit record for them). Nothing is dropped silently. Skipping is
-  the default because this is a cache: a missing dump costs a later cache miss, a blocked
-  forward pass costs every request's latency.
-* ``on_full="wait"``: submit blocks the forward thread at most ``full_wait_s`` for a slot,
-  then skips as above. The forward pass is slowed by at most
-  ``full_wait_s x dumps per step``, never unboundedly.
-
-Completion: by default ``get_finished`` never blocks — a request whose dumps are still
-running is reported by a later call (like vLLM's OffloadingConnector). With
-``blocking_finish=True`` it waits for the finished requests' dumps inside the call and
-reports them in the same step (UCM #989 behaviour, seed 000). A client only reports ids it
-was given in one of its ``get_finished`` calls, as vLLM requires.
-
-Preemption: ``handle_preemptions`` waits only for dumps that read the preempted requests'
-blocks (other requests' dumps keep running), then forgets those requests.
-
-Delayed free: vLLM's ``request_finished`` runs in the scheduler process. The rule that keeps
-both sides consistent: the scheduler side returns True for a request iff its metadata ever
-gave that request dump blocks and it was not preempted since; every worker opens batches
-from the same metadata, so each worker knows the request and reports it. vLLM frees the
-blocks only once *every* worker reported the request, so a worker that dumps nothing for
-it (e.g. a TP rank skipping replicated MLA KV) must still open and seal a batch with its
-id — an empty batch completes at ``seal``. Ids a worker never saw are ignored by
-``get_finished``.
-
-Bounded state: a request leaves every map when it is reported or preempted; batches leave
-when their last task finished; task slots are reused. ``internal_sizes`` shows it.
-
-Events: every task owns or borrows its event (:mod:`ucm_patch.hooks.events`); the event is
-released exactly once on every path — success, store error, submission error, skip,
-preemption, shutdown. ``submit`` takes the event over even when it returns False or raises.
-
-Threads and locking. Workers never *wait* for ``_lock``: they pop tasks from a deque, wait
-on the task's event, produce the bytes, call the store, and append the task to a completion
-deque (deque operations are atomic). The completion bookkeeping — release the event,
-update the batch, the requests and the metrics, return the slot — is ``_reap_locked``,
-run under ``_lock`` by the worker right away when a non-blocking ``acquire`` succeeds, and
-otherwise by the forward side (``get_finished``, preemption and blocking waits, a submit
-that finds no free slot). Why: a worker blocked on a lock the forward thread holds would
-queue behind the forward thread's GIL time, and the forward thread must never be the one
-waiting for workers on the per-layer path.
-
-* ``_lock`` guards every client's requests, the batches, the slot list, the metrics and
-  (shared with the :class:`EventLedger`) the live-handle counters and pool appends. It is
-  held for attribute updates only, never while waiting on an event or a store.
-* ``_done_cv`` (own lock) wakes threads waiting for dumps (preemption, blocking finish,
-  ``on_full="wait"``); workers notify it only when someone waits. Order: ``_done_cv``'s
-  lock, then ``_lock``; never the reverse.
-* ``_wake`` (own lock) parks and wakes idle workers only.
+Locking, in brief: ``_lock`` guards the clients' maps (it is handed to each client), the
+batches, the slots, the metrics and the event ledger's counters, and is never held while
+waiting. Workers never wait for it: they hand finished tasks back on a deque, retired under
+``_lock`` by whoever holds it next. ``_done_cv`` (taken before ``_lock``, never after)
+wakes threads waiting for dumps; ``_wake`` parks idle workers.
 """
 
 from __future__ import annotations
@@ -107,322 +21,44 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from time import monotonic, perf_counter_ns, sleep
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from time import monotonic, sleep
+from typing import Any
 
 from ucm_patch.hooks.device import Device, make_device
+from ucm_patch.hooks.dump.client import DumpClient
+from ucm_patch.hooks.dump.types import (
+    CANCELLED,
+    FAILED,
+    NO_EVENT,
+    OK,
+    STORE_FULL,
+    UNEXPECTED,
+    Batch,
+    DumpTask,
+    Payload,
+)
 from ucm_patch.hooks.events import EventLedger, EventSource
 from ucm_patch.hooks.metrics import METRICS, DumpMetrics
-from ucm_patch.hooks.stores.base import KVStore, StoreError
+from ucm_patch.hooks.stores.base import StoreError
 
 logger = logging.getLogger(__name__)
 
-_NONE = int(EventSource.NONE)
 _SYNC = int(EventSource.DEVICE_SYNC)
 _EXTERNAL = int(EventSource.EXTERNAL)
 
-# DumpTask.status values.
-_OK, _FAILED, _STORE_FULL, _UNEXPECTED, _CANCELLED = range(5)
-
-#: Payload type: host values aligned with keys, or a callable run after the event.
-Payload = Sequence[Any] | Callable[["DumpTask"], Any]
-
-
-class FinishedDumps(NamedTuple):
-    """What ``get_finished`` reports for one step."""
-
-    sending: set[str]
-    """Requests whose dumps are all done: return as vLLM's ``finished_sending``."""
-    failed: set[str]
-    """Subset of ``sending`` with at least one failed or skipped dump (not fully stored)."""
-
-
-class Batch:
-    """The dumps of one step for a set of requests (one per connector per step)."""
-
-    __slots__ = ("client", "context", "done", "failed", "pending", "req_ids", "sealed", "store")
-
-    def __init__(
-        self, client: DumpClient, req_ids: tuple[str, ...], store: KVStore, context: Any
-    ) -> None:
-        self.client = client
-        self.req_ids = req_ids
-        self.store = store
-        self.context = context  # opaque to the scheduler: the connector's per-step data
-        self.pending = 0  # submitted and not finished
-        self.sealed = False  # no more submits (wait_for_save ran)
-        self.failed = False  # some dump failed or was skipped
-        self.done = False  # sealed and every dump finished
-
-
-class DumpTask:
-    """One dump: a preallocated slot, reused (see the module docstring for the fields).
-
-    A payload callable receives the task and may read ``row``, ``keys`` and
-    ``batch.req_ids`` / ``batch.context``; it must not keep a reference to the task (the
-    slot is reused for a later dump once this one is retired).
-    """
-
-    __slots__ = (
-        "batch",
-        "data",
-        "error",
-        "event",
-        "keys",
-        "nbytes",
-        "owned",
-        "row",
-        "source",
-        "status",
-    )
-
-    def __init__(self) -> None:
-        self.batch: Batch | None = None
-        self.row = -1
-        self.keys: Sequence[str] | None = None
-        self.data: Payload | None = None
-        self.event: Any = None
-        self.owned = False
-        self.source = _NONE
-        # Written by the worker before it hands the task back (_work), read by _reap_locked.
-        self.status = _OK
-        self.nbytes = 0
-        self.error = ""
-
-
-class _Request:
-    __slots__ = ("batches", "failed", "finished_ns")
-
-    def __init__(self) -> None:
-        self.batches: list[Batch] = []  # open or running batches that read its blocks
-        self.failed = False
-        self.finished_ns = 0  # when get_finished first saw it (0: still running)
-
-
-class DumpClient:
-    """One connector's view of the shared scheduler: its own request-id space.
-
-    All state is guarded by the scheduler's lock. ``submit``/``submit_layer``/``seal``
-    are the scheduler's (a batch knows its client).
-    """
-
-    __slots__ = ("_finished_waiting", "_ready", "_reqs", "name", "sched")
-
-    def __init__(self, sched: DumpScheduler, name: str) -> None:
-        self.sched = sched
-        self.name = name
-        self._reqs: dict[str, _Request] = {}
-        self._ready: dict[str, bool] = {}  # reportable request id -> failed
-        self._finished_waiting = 0  # finished requests with dumps still running
-
-    # -- per step ---------------------------------------------------------------------
-    def open_batch(self, req_ids: Iterable[str], store: KVStore, context: Any = None) -> Batch:
-        """Start a step's dumps for ``req_ids`` into ``store``; seal it with ``seal``.
-
-        ``req_ids`` are the requests whose blocks this batch's dumps read. Duplicates are
-        ignored. Raises ValueError for an id already passed to ``get_finished`` whose dumps
-        are still tracked (an id reused too early) and RuntimeError after shutdown.
-        """
-        ids = tuple(dict.fromkeys(req_ids))
-        batch = Batch(self, ids, store, context)
-        sched = self.sched
-        with sched._lock:
-            if sched._closed or self not in sched._clients:
-                raise RuntimeError(
-                    f"DumpScheduler.open_batch: client {self.name!r} is closed or the "
-                    "scheduler is shut down"
-                )
-            reqs = self._reqs
-            for rid in ids:
-                req = reqs.get(rid)
-                if req is None:
-                    req = reqs[rid] = _Request()
-                elif req.finished_ns:
-                    raise ValueError(
-                        f"DumpScheduler.open_batch: request id {rid!r} was already passed to "
-                        "get_finished and its dumps are still tracked"
-                    )
-                req.batches.append(batch)
-            sched._batches_live += 1
-        return batch
-
-    def submit_layer(
-        self,
-        batch: Batch,
-        layer_name: str,
-        attn_metadata: Any,
-        row: int,
-        keys: Sequence[str] | None,
-        data: Payload,
-    ) -> bool:
-        """See :meth:`DumpScheduler.submit_layer`."""
-        return self.sched.submit_layer(batch, layer_name, attn_metadata, row, keys, data)
-
-    def submit(
-        self,
-        batch: Batch,
-        row: int,
-        keys: Sequence[str] | None,
-        data: Payload,
-        event: Any = None,
-        owned: bool = False,
-        source: int | None = None,
-    ) -> bool:
-        """See :meth:`DumpScheduler.submit`."""
-        return self.sched.submit(batch, row, keys, data, event, owned, source)
-
-    def seal(self, batch: Batch) -> None:
-        """See :meth:`DumpScheduler.seal`."""
-        self.sched.seal(batch)
-
-    def get_finished(
-        self, finished_req_ids: Iterable[str], timeout: float | None = None
-    ) -> FinishedDumps:
-        """Requests whose dumps are all done, among those ever passed here as finished.
-
-        Default: never blocks; ids whose dumps are running are reported by a later call.
-        With ``blocking_finish=True``: waits (up to ``timeout``; None = as long as it takes,
-        as seed 000 did) for the dumps of this call's finished requests, then reports them.
-        Unknown ids (no dumps registered on this client) are ignored.
-        """
-        sched = self.sched
-        now = perf_counter_ns()
-        targets: list[str] = []
-        with sched._lock:
-            sched._reap_locked()
-            reqs = self._reqs
-            for rid in finished_req_ids:
-                req = reqs.get(rid)
-                if req is None or req.finished_ns:
-                    continue
-                req.finished_ns = now
-                if req.batches:
-                    self._finished_waiting += 1
-                    targets.append(rid)
-                else:
-                    self._report_ready(rid, req, now)
-        if sched.blocking_finish and targets:
-            sched._wait_until(lambda: self._drained(targets), timeout)
-        with sched._lock:
-            if not self._ready:
-                return FinishedDumps(set(), set())
-            ready, self._ready = self._ready, {}
-            failed = {rid for rid, bad in ready.items() if bad}
-            sched.metrics.requests_finished += len(ready)
-            sched.metrics.requests_failed += len(failed)
-        return FinishedDumps(set(ready), failed)
-
-    def handle_preemptions(self, req_ids: Iterable[str], timeout: float | None = None) -> bool:
-        """Wait for the dumps reading the preempted requests' blocks, then forget them.
-
-        Only dumps that read these requests' blocks are waited for. Call before the
-        forward pass that may overwrite the blocks. Returns False if ``timeout`` expired
-        first (the requests are forgotten anyway; their dumps keep running).
-        """
-        sched = self.sched
-        t0 = perf_counter_ns()
-        with sched._lock:
-            targets = [rid for rid in req_ids if rid in self._reqs]
-        if not targets:
-            return True
-        done = sched._wait_until(lambda: self._drained(targets), timeout)
-        with sched._lock:
-            for rid in targets:
-                req = self._reqs.pop(rid, None)
-                if req is not None and req.finished_ns and req.batches:
-                    self._finished_waiting -= 1
-            sched.metrics.preempt_wait.observe((perf_counter_ns() - t0) / 1e9)
-        return done
-
-    # -- queries ----------------------------------------------------------------------
-    def needs_delayed_free(self, req_id: str) -> bool:
-        """True while ``req_id`` has dumps registered here and was not yet reported."""
-        with self.sched._lock:
-            return req_id in self._reqs or req_id in self._ready
-
-    def has_pending(self) -> bool:
-        """True while this client's finished requests wait for dumps or to be reported.
-
-        A connector can return this from vLLM's ``has_pending_push_work`` so the engine
-        keeps stepping until held blocks are released (LMCache #4998).
-        """
-        with self.sched._lock:
-            self.sched._reap_locked()
-            return bool(self._ready or self._finished_waiting)
-
-    def sizes(self) -> dict[str, int]:
-        """This client's map sizes (caller may hold the scheduler lock or not)."""
-        return {
-            "requests": len(self._reqs),
-            "ready": len(self._ready),
-            "finished_waiting": self._finished_waiting,
-        }
-
-    def close(self) -> None:
-        """Forget this client (connector shutdown); its running dumps still finish."""
-        sched = self.sched
-        with sched._lock:
-            for req in self._reqs.values():
-                for batch in req.batches:
-                    if not batch.sealed:
-                        batch.sealed = True
-                        if batch.pending == 0:
-                            sched._complete_batch(batch)
-            self._reqs.clear()
-            self._ready.clear()
-            self._finished_waiting = 0
-            if self in sched._clients:
-                sched._clients.remove(self)
-
-    # -- bookkeeping (scheduler lock held) -------------------------------------------
-    def _batch_done(self, batch: Batch) -> None:
-        reqs = self._reqs
-        now = 0
-        for rid in batch.req_ids:
-            req = reqs.get(rid)
-            if req is None:
-                continue  # preempted and forgotten
-            batches = req.batches
-            for i, b in enumerate(batches):
-                if b is batch:
-                    del batches[i]
-                    break
-            else:
-                continue  # a newer incarnation of the id (resumed after preemption)
-            if batch.failed:
-                req.failed = True
-            if not batches and req.finished_ns:
-                if not now:
-                    now = perf_counter_ns()
-                self._finished_waiting -= 1
-                self._report_ready(rid, req, now)
-
-    def _report_ready(self, rid: str, req: _Request, now: int) -> None:
-        del self._reqs[rid]
-        self._ready[rid] = req.failed
-        self.sched.metrics.request_wait.observe((now - req.finished_ns) / 1e9)
-
-    def _drained(self, targets: list[str]) -> bool:
-        reqs = self._reqs
-        for rid in targets:
-            req = reqs.get(rid)
-            if req is not None:
-                for b in req.batches:
-                    if b.pending:
-                        return False
-        return True
-
 
 class DumpScheduler:
-    """Asynchronous, bounded dump execution with per-request completion (module docstring).
+    """Asynchronous, bounded dump execution; per-request completion lives in the clients.
 
-    Also the default :class:`DumpClient` (``open_batch``, ``get_finished``,
-    ``handle_preemptions``, ``needs_delayed_free``, ``has_pending`` act on it).
+    Connectors: :meth:`client` (one each), ``submit_layer`` / ``submit`` / ``seal`` (also
+    bound on every client), ``has_pending``, ``poll``, ``internal_sizes``, ``shutdown``,
+    ``events`` (owned events for ``submit``) and ``metrics``. Clients build on the
+    ``*_locked`` methods and :meth:`wait_until`.
 
     Options: ``device`` (default: the platform's, :func:`make_device`); ``workers`` dump
     threads; ``capacity`` task slots = most dumps in flight; ``on_full`` / ``full_wait_s``
-    the back-pressure policy; ``blocking_finish`` seed 000's waiting ``get_finished``;
+    the back-pressure policy; ``blocking_finish`` a ``get_finished`` that waits for dumps;
     ``expect_kv_ready`` count "expected but missing" KV-ready events; ``need_handle`` only
     accept events with a raw handle (C++ stores); ``metrics`` the counters object;
     ``linger_s`` / ``poll_s`` how long an idle worker polls before it sleeps (polling
@@ -493,8 +129,8 @@ class DumpScheduler:
         self._free: list[DumpTask] = [DumpTask() for _ in range(capacity)]
         # Task hand-off: a deque (append/popleft are atomic, no syscall) plus a Condition
         # that only sleeping workers wait on. Waking a blocked thread costs a futex
-        # syscall (~2-3 us on a VM: more than the whole submit budget), so submit wakes
-        # a worker only when one is asleep; busy or lingering workers poll the deque.
+        # syscall (more than the whole submit path), so submit wakes a worker only when
+        # one is asleep; busy or lingering workers poll the deque.
         self._dq: deque[DumpTask] = deque()
         self._wake = threading.Condition(threading.Lock())
         self._sleepers = 0
@@ -510,7 +146,6 @@ class DumpScheduler:
         self._waiters = 0
         self._closed = False
         self._clients: list[DumpClient] = []
-        self._default = self.client("default")
         #: The last few unexpected worker errors (repr), newest last; also logged.
         self.last_errors: deque[str] = deque(maxlen=16)
         self._threads = [
@@ -521,42 +156,42 @@ class DumpScheduler:
             thread.start()
 
     # =================================================================================
-    # Clients (one per connector instance) and the default client's methods
+    # Clients (one per connector instance)
     # =================================================================================
     def client(self, name: str = "connector") -> DumpClient:
         """A new request-id space on this scheduler (one per connector instance)."""
-        client = DumpClient(self, name)
+        client = DumpClient(self, name, self._lock)
         with self._lock:
             if self._closed:
                 raise RuntimeError("DumpScheduler.client: the scheduler is shut down")
             self._clients.append(client)
         return client
 
-    def open_batch(self, req_ids: Iterable[str], store: KVStore, context: Any = None) -> Batch:
-        """:meth:`DumpClient.open_batch` on the default client."""
-        return self._default.open_batch(req_ids, store, context)
-
-    def get_finished(
-        self, finished_req_ids: Iterable[str], timeout: float | None = None
-    ) -> FinishedDumps:
-        """:meth:`DumpClient.get_finished` on the default client."""
-        return self._default.get_finished(finished_req_ids, timeout)
-
-    def handle_preemptions(self, req_ids: Iterable[str], timeout: float | None = None) -> bool:
-        """:meth:`DumpClient.handle_preemptions` on the default client."""
-        return self._default.handle_preemptions(req_ids, timeout)
-
-    def needs_delayed_free(self, req_id: str) -> bool:
-        """:meth:`DumpClient.needs_delayed_free` on the default client."""
-        return self._default.needs_delayed_free(req_id)
-
     def has_pending(self) -> bool:
         """True while any dump runs or any client has finished requests not yet reported."""
         with self._lock:
-            self._reap_locked()
+            self.retire_locked()
             if self.metrics.queue_depth:
                 return True
-            return any(c._ready or c._finished_waiting for c in self._clients)
+            return any(c.has_pending_locked() for c in self._clients)
+
+    # What clients build on: they share _lock (given to them at creation) and call these
+    # with it held (``*_locked``) or not held (wait_until).
+    def batch_opened_locked(self) -> None:
+        """A client opened a batch: it counts as live until it completes."""
+        self._batches_live += 1
+
+    def seal_locked(self, batch: Batch) -> None:
+        """:meth:`seal` for a caller that holds the lock."""
+        if not batch.sealed:
+            batch.sealed = True
+            if batch.pending == 0:
+                self._complete_batch(batch)
+
+    def remove_client_locked(self, client: DumpClient) -> None:
+        """Forget a closed client: it no longer counts in sizes and pending work."""
+        if client in self._clients:
+            self._clients.remove(client)
 
     # =================================================================================
     # Save side (forward thread): submit never waits on the store
@@ -603,7 +238,7 @@ class DumpScheduler:
         for a non-Batch, RuntimeError for a sealed batch).
         """
         if source is None:
-            source = _NONE if event is None else _EXTERNAL
+            source = NO_EVENT if event is None else _EXTERNAL
         return self._enqueue(batch, row, keys, data, event, owned, source, True)
 
     def _enqueue(
@@ -676,9 +311,9 @@ class DumpScheduler:
             )
         if not self.on_full_wait or self.full_wait_s <= 0:
             with self._lock:  # finished dumps not yet retired may free a slot
-                self._reap_locked()
+                self.retire_locked()
                 return bool(self._free)
-        return self._wait_until(lambda: bool(self._free) or self._closed, self.full_wait_s) and (
+        return self.wait_until(lambda: bool(self._free) or self._closed, self.full_wait_s) and (
             not self._closed
         )
 
@@ -698,11 +333,10 @@ class DumpScheduler:
     def seal(self, batch: Batch) -> None:
         """No more dumps for ``batch`` (call from ``wait_for_save``). Never waits."""
         with self._lock:
-            if batch.sealed:
-                return
-            batch.sealed = True
-            if batch.pending == 0:
-                self._complete_batch(batch)
+            if not batch.sealed:
+                batch.sealed = True
+                if batch.pending == 0:
+                    self._complete_batch(batch)
 
     # =================================================================================
     # Queries
@@ -714,7 +348,7 @@ class DumpScheduler:
         the latest on the next ``get_finished`` / ``has_pending`` / ``internal_sizes``.
         """
         with self._lock:
-            self._reap_locked()
+            self.retire_locked()
 
     def internal_sizes(self) -> dict[str, int]:
         """Sizes of every internal map/set/queue (all 0 when idle and nothing is tracked).
@@ -722,7 +356,7 @@ class DumpScheduler:
         Request maps are summed over all clients.
         """
         with self._lock:
-            self._reap_locked()
+            self.retire_locked()
             sizes = {"requests": 0, "ready": 0, "finished_waiting": 0}
             for client in self._clients:
                 for key, value in client.sizes().items():
@@ -764,20 +398,15 @@ class DumpScheduler:
                 task = self._dq.popleft()
             except IndexError:
                 break
-            task.status = _CANCELLED
+            task.status = CANCELLED
             self._done.append(task)
         deadline = monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - monotonic()))
         with self._lock:
-            self._reap_locked()
+            self.retire_locked()
             for client in self._clients:
-                for req in client._reqs.values():
-                    for batch in req.batches:
-                        if not batch.sealed:
-                            batch.sealed = True
-                            if batch.pending == 0:
-                                self._complete_batch(batch)
+                client.seal_open_locked()
             self.device.close()  # under the ledger's lock: pool appends happen under it
         return not any(thread.is_alive() for thread in self._threads)
 
@@ -795,7 +424,7 @@ class DumpScheduler:
                 if self._idle():
                     return
                 continue
-            status = _FAILED
+            status = FAILED
             try:
                 status = self._run(task)
             except StoreError as exc:
@@ -808,7 +437,7 @@ class DumpScheduler:
                 # Thread boundary: a bug in a payload callable or a store must neither kill
                 # the worker (requests would never finish; blocks would leak) nor vanish.
                 # Recorded as worker_errors + a failed dump + last_errors, and logged.
-                status = _UNEXPECTED
+                status = UNEXPECTED
                 task.error = repr(exc)
                 logger.exception("unexpected error in dump worker (row %d)", task.row)
             finally:
@@ -816,7 +445,7 @@ class DumpScheduler:
                 done.append(task)  # hand back: retired under _lock ...
                 if lock.acquire(False):  # ... here when the lock is free, never waiting
                     try:
-                        self._reap_locked()
+                        self.retire_locked()
                     finally:
                         lock.release()
                 if self._waiters:
@@ -874,9 +503,9 @@ class DumpScheduler:
         for value in data:
             nbytes += value.nbytes if type(value) is memoryview else len(value)
         task.nbytes = nbytes
-        return _OK if all(flags) else _STORE_FULL
+        return OK if all(flags) else STORE_FULL
 
-    def _reap_locked(self) -> None:
+    def retire_locked(self) -> None:
         """Retire every finished task (caller holds _lock): the completion bookkeeping.
 
         Releases the task's event, updates metrics and its batch, returns the slot. Runs on
@@ -902,16 +531,16 @@ class DumpScheduler:
                 task.event = None
                 release(event, task.owned)
             status = task.status
-            if status == _OK:
+            if status == OK:
                 m.dumps_completed += 1
                 m.bytes_written += task.nbytes
-            elif status == _CANCELLED:
+            elif status == CANCELLED:
                 m.dumps_cancelled += 1
             else:
                 m.dumps_failed += 1
-                if status == _STORE_FULL:
+                if status == STORE_FULL:
                     m.dumps_store_full += 1
-                elif status == _UNEXPECTED:
+                elif status == UNEXPECTED:
                     m.worker_errors += 1
                     self.last_errors.append(task.error)
             batch = task.batch
@@ -921,7 +550,7 @@ class DumpScheduler:
             task.error = ""
             task.nbytes = 0
             if batch is not None:
-                if status != _OK:
+                if status != OK:
                     batch.failed = True
                 batch.pending -= 1
                 if batch.pending == 0 and batch.sealed:
@@ -929,9 +558,9 @@ class DumpScheduler:
             free.append(task)
         m.queue_depth = self.capacity - len(free)
 
-    def _wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+    def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
         """Block (not holding _lock) until ``predicate()`` — evaluated under _lock right
-        after retiring finished tasks — is true, or ``timeout`` passed."""
+        after retiring finished tasks — is true, or ``timeout`` passed (then False)."""
         deadline = None if timeout is None else monotonic() + timeout
         cv = self._done_cv
         with cv:
@@ -939,7 +568,7 @@ class DumpScheduler:
             try:
                 while True:
                     with self._lock:
-                        self._reap_locked()
+                        self.retire_locked()
                         if predicate():
                             return True
                     if deadline is None:
@@ -958,7 +587,7 @@ class DumpScheduler:
     def _complete_batch(self, batch: Batch) -> None:
         batch.done = True
         self._batches_live -= 1
-        batch.client._batch_done(batch)
+        batch.client.batch_done_locked(batch)
 
 
 # =====================================================================================

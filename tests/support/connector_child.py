@@ -2,15 +2,15 @@
 
 Why a child: a vLLM engine cannot be torn down cleanly inside pytest, every run must start
 from a fresh import state, and the Mooncake run must live inside a private network
-namespace. The child runs in single-process mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-bf16 works there, see the lead's SIGILL note), so the scheduler side, the worker side
-and the test steps share one process and the connector's counters.
+namespace. The child runs in single-process mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+bf16 works there, while spawned CPU workers die of SIGILL in AMX code), so the scheduler
+side, the worker side and the test steps share one process and the connector's counters.
 
 ``run_child(spec, tmp_path)`` writes ``spec`` as JSON, runs ``python -m
-tests.connector_child SPEC OUT`` (optionally through ``scripts/mooncake_netns.sh``) and
-returns the parsed output. A spec is ``{"model": path, "extra": kv_connector_extra_config
-| None (no connector), "multi": bool (MultiConnector [ours, ExampleConnector]),
-"steps": [...]}`` with steps:
+tests.support.connector_child SPEC OUT`` (optionally through
+``scripts/mooncake_netns.sh``) and returns the parsed output. A spec is ``{"model": path,
+"extra": kv_connector_extra_config | None (no connector), "multi": bool (MultiConnector
+[ours, ExampleConnector]), "steps": [...]}`` with steps:
 
 * ``{"op": "gen", "name": N, "prompt": [ids], "salt": str | None}``: generate, record
   tokens, logprobs, ``num_cached_tokens``, wall time and the connector counters after it;
@@ -38,8 +38,9 @@ which the connector refuses in production, to show what the copy does to them).
 Every connected run reports ``layout`` (the connector's groups and hit unit), ``vllm``
 (the block sizes vLLM chose at run time) and ``state_boundaries`` (group -> token boundaries
 whose mamba state was dumped), so tests derive expected numbers instead of typing them in.
-``python -m tests.connector_child --chain SPEC OUT [SPEC OUT ...]`` runs several specs one
-after another, each in a fresh interpreter (the Mooncake runs share one namespace that way).
+``python -m tests.support.connector_child --chain SPEC OUT [SPEC OUT ...]`` runs several
+specs one after another, each in a fresh interpreter (the Mooncake runs share one
+namespace that way).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support import REPO, repo_pythonpath
+
 PYTHON = sys.executable
 MAX_MODEL_LEN = 4096
 NETNS = REPO / "scripts" / "mooncake_netns.sh"
@@ -78,10 +80,10 @@ def run_child(
             # bf16 needs single-process mode on this CPU (AMX SIGILL in spawned workers)
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if spec.get("multiprocess") else "0",
             "VLLM_PLUGINS": "ucm_patch",
-            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
+            "PYTHONPATH": repo_pythonpath(),
         }
     )
-    cmd = [PYTHON, "-m", "tests.connector_child", str(spec_path), str(out_path)]
+    cmd = [PYTHON, "-m", "tests.support.connector_child", str(spec_path), str(out_path)]
     if netns:
         cmd = ["bash", str(NETNS), "--", *cmd]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -455,7 +457,7 @@ def _sizes(llm: Any, connected: bool) -> dict[str, Any]:
         "total_blocks": pool.num_gpu_blocks,
     }
     if connected:
-        from ucm_patch.hooks.scheduler import get_scheduler
+        from ucm_patch.hooks.dump import get_scheduler
 
         conns = [sched.connector]
         ours = []
@@ -492,7 +494,7 @@ def _chain(args: list[str]) -> dict[str, Any]:
     """Run each (spec, out) pair in a fresh interpreter, in order; stop at the first failure."""
     runs = []
     for spec_path, out_path in zip(args[::2], args[1::2], strict=True):
-        cmd = [PYTHON, "-m", "tests.connector_child", spec_path, out_path]
+        cmd = [PYTHON, "-m", "tests.support.connector_child", spec_path, out_path]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         runs.append({"spec": spec_path, "rc": proc.returncode})
         if proc.returncode != 0:

@@ -1,12 +1,14 @@
-"""Run real vLLM (CPU) in a subprocess with the recording connector, and read what it saw.
+"""Run real vLLM (CPU) in a subprocess with the stand-in connector, and read what it saw.
 
 Why a subprocess: a vLLM engine cannot be torn down cleanly inside pytest, and each run
 must start from a fresh import state (patches applied or not, by environment only).
 
-``run_vllm(...)`` starts ``python tests/vllm_helpers.py`` (the ``_main`` below) with
-``tests/`` on ``PYTHONPATH`` (so vLLM can import ``recording_connector``), generates a few
-tokens for two prompts in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and returns
-the recorded connector calls plus the process's ucm_patch report and hook counters.
+``run_vllm(...)`` starts ``python -m tests.support.vllm_helpers`` (the ``_main`` below)
+with the repository root on ``PYTHONPATH`` (so vLLM can import
+``tests.support.standin_connector``, which writes every call to ``$UCM_TEST_RECORD``),
+generates a few tokens for two prompts in one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and returns the recorded connector calls plus the
+process's ucm_patch report and hook counters.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS = REPO / "tests"
+from tests.support import STANDIN_CONNECTOR, repo_pythonpath
+
 PYTHON = sys.executable
 RUN_TIMEOUT_S = 600
 
@@ -77,7 +79,7 @@ def run_vllm(
     hybrid: bool = False,
     max_tokens: int = 3,
 ) -> VllmRun:
-    """Generate with real vLLM and the recording connector; raise with stderr on failure."""
+    """Generate with real vLLM and the stand-in connector; raise with stderr on failure."""
     record = tmp / "calls.jsonl"
     result = tmp / "result.json"
     for p in (record, result):
@@ -89,16 +91,15 @@ def run_vllm(
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "PYTHONPATH": os.pathsep.join(
-                [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
+            "PYTHONPATH": repo_pythonpath(),
             "UCM_TEST_RECORD": str(record),
         }
     )
     child_env.update(env or {})
     cmd = [
         PYTHON,
-        str(TESTS / "vllm_helpers.py"),
+        "-m",
+        "tests.support.vllm_helpers",
         str(model),
         str(result),
         "hybrid" if hybrid else "plain",
@@ -122,7 +123,7 @@ def run_vllm(
 
 
 def _main(argv: list[str]) -> int:
-    """Child process: ``vllm_helpers.py MODEL RESULT_JSON hybrid|plain MAX_TOKENS``."""
+    """Child process: ``MODEL RESULT_JSON hybrid|plain MAX_TOKENS``."""
     model, result, mode, max_tokens = argv
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -139,11 +140,7 @@ def _main(argv: list[str]) -> int:
         max_model_len=128,
         max_num_seqs=4,
         seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="RecordingConnector",
-            kv_connector_module_path="recording_connector",
-            kv_role="kv_both",
-        ),
+        kv_transfer_config=KVTransferConfig(**STANDIN_CONNECTOR, kv_role="kv_both"),
         **kwargs,
     )
     llm.generate(

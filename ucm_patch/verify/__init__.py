@@ -1,0 +1,22 @@
+"""Verification engine: patch records against the real source of their target library.
+
+A release's source is *read* with :mod:`ast`, never imported, so one machine checks every
+release of vLLM and vLLM-Ascend (torch-npu or CUDA need not run here). Each record states
+what it relies on in ``expect`` (:mod:`ucm_patch.expect`); this package evaluates those
+checks and renders the verification matrices of docs/PATCHES.md.
+
+=========  ===================================================================================
+module     holds
+=========  ===================================================================================
+source     the source-tree model: modules parsed on first use, definition lookups, the one
+           parameter reader, small ``ast`` helpers
+checks     the checks runner (one evaluator per check kind) and version gating
+sections   the generated sections of docs/PATCHES.md (``<!-- name:start -->`` ... ``end``)
+vllm       vLLM: wheel sources, extracted signature facts, verdicts, the matrix
+ascend     vLLM-Ascend: PyPI / rc-tag sources, facts and results, completeness, the matrix
+=========  ===================================================================================
+
+``scripts/verify_targets.py`` and ``scripts/verify_ascend_targets.py`` are the command
+lines over it; the tests import it. Importing it costs the standard library and
+``packaging``: the patch records are imported the first time a function needs them.
+"""
