@@ -1,4 +1,4 @@
-"""Benchmark the core's budgets (issue 2): start-up cost and apply cost.
+"""Benchmark the core's budgets: start-up cost and apply cost.
 
 1. ``import ucm_patch`` added to interpreter start: wall time of a fresh interpreter that
    imports it minus one that does not, each the minimum over N runs (budget: under 30 ms;

@@ -1,7 +1,7 @@
 """Per-layer host cost of the save path *with a dump*: hook -> our connector -> DumpScheduler.
 
 Completes the hook-overhead figures of ``bench_hooks.py`` (bare, ucm_patch idle, connector
-with nothing to dump) with the case that does work (issue 5, item 1; peers.md goal G2:
+with nothing to dump) with the case that does work (goal G2:
 <= 1.5 us per layer on the host, no allocation on the hot path).
 
 Real objects end to end: a real :class:`ucm_patch.connector.UCMPatchConnector` (worker
@@ -50,7 +50,7 @@ import bench_common as bc
 from ucm_patch.hooks.stores.base import KVStore
 
 LAYERS = tuple(f"model.layers.{i}.linear_attn" for i in range(48))
-BUDGET_NS = 1500.0  # peers.md G2
+BUDGET_NS = 1500.0  # goal G2: the save path at the speed of peer offload systems
 
 
 class MemoryStore(KVStore):

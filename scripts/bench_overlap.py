@@ -1,6 +1,6 @@
 """Dump overlap: step time with layerwise dumps vs without, against synchronous baselines.
 
-Targets (issue 5, item 3): with a fast-enough store, a step with dumps takes at most 1.05x a
+Targets: with a fast-enough store, a step with dumps takes at most 1.05x a
 step without (``step ratio``), and at least 95 % of the dump time is hidden behind compute
 (``hidden = 1 - (step time increase) / (dump work time)``).
 

@@ -1,4 +1,4 @@
-"""Benchmark the dump scheduler against the issue 4 budgets (a benchmark, not a test).
+"""Benchmark the dump scheduler against its budgets (a benchmark, not a test).
 
 Budgets:
 

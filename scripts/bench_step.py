@@ -1,6 +1,6 @@
 """Step overhead of ucm_patch on real vLLM CPU: the same workload with and without it.
 
-Target (issue 5, item 2): with ucm_patch active and no KV connector configured, the engine
+Target: with ucm_patch active and no KV connector configured, the engine
 is at most 1 % slower than without ucm_patch (``UCM_PATCH=0``): ratio <= 1.01.
 
 How: one vLLM process per measurement (``UCM_PATCH=0`` only takes effect at start), in

@@ -1,6 +1,6 @@
 """Time to first token on a prefix hit vs recompute, real vLLM CPU, a 0.19 B random Qwen3.
 
-Target (issue 5, item 4): at 80 % of the prompt cached, TTFT with the hit is at least 3x
+Target: at 80 % of the prompt cached, TTFT with the hit is at least 3x
 faster than recomputing (UCM #656 reports 3.26-3.86x at 80 % hit on GPU, QwQ-32B).
 
 Model: ``scripts/make_bench_model.py`` (Qwen3-0.6B's layer shape, 12 layers, 190 M
