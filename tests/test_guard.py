@@ -89,6 +89,22 @@ def test_wrapper_bug_is_reported_and_the_call_completes(target, where: str) -> N
     assert not hasattr(target.core, "__wrapped__")
 
 
+def test_call_time_failure_logs_one_warning_per_record(target, caplog) -> None:
+    """vLLM's log says what happened, once: a broken wrapper turns into a pass-through."""
+    reg = _registry("before")
+    reg.activate()
+    with caplog.at_level("WARNING", logger="ucm_patch"):
+        for x in range(5):
+            assert target.core(x) == 2 * x
+    warnings = [r for r in caplog.records if r.name == "ucm_patch"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert warnings[0].levelname == "WARNING"
+    message = warnings[0].getMessage()
+    assert "guarded@t" in message and "ucm_guard_target:core" in message
+    assert "KeyError" in message and "pass-through" in message
+    reg.revert()
+
+
 def test_host_errors_propagate_untouched(target) -> None:
     reg = _registry("none")
     reg.activate()

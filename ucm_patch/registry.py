@@ -75,6 +75,7 @@ class RecordStatus:
         self.gated = False  # version gate evaluated for the current activation
         self.applied: installer.Applied | None = None
         self.hooked = False  # a post-import hook is registered for this activation
+        self.warned = False  # the call-time failure WARNING was logged
 
     def as_dict(self) -> dict[str, Any]:
         r = self.record
@@ -207,10 +208,26 @@ class Registry:
                         other.reason = f"superseded by {st.record.id} ({_shown(st.versions)})"
 
     def _call_failed(self, st: RecordStatus, exc: BaseException) -> None:
-        """A wrapper raised at call time: the guard made it a pass-through; report it."""
+        """A wrapper raised at call time: the guard made it a pass-through; report it.
+
+        Also a WARNING through :mod:`logging` (logger ``ucm_patch``), once per record: the
+        layer now runs without its hooks, and vLLM's log is where an operator looks.
+        """
         with self._lock:
             st.state = State.FAILED
             st.reason = f"wrapper raised at call time: {type(exc).__name__}: {exc}"
+            first = not st.warned
+            st.warned = True
+        if first:
+            import logging  # failure path only: `import ucm_patch` stays without logging
+
+            logging.getLogger("ucm_patch").warning(
+                "ucm_patch: patch %s on %s raised at call time and is now a pass-through "
+                "(the layer runs without its hooks): %s",
+                st.record.id,
+                st.record.target,
+                st.reason,
+            )
         self._emit(st)
 
     def _emit(self, st: RecordStatus) -> None:
