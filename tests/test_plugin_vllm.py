@@ -60,6 +60,12 @@ def test_plugin_patches_engine_core_and_worker_processes(
         if any(e["event"] == "activate" for e in events)
     }
     names = " ".join(activated.values())
+    # Each process activates exactly once (the plugin runs again in every vLLM process:
+    # a second activation there must be a no-op, not a second set of wrappers).
+    activations = {
+        pid: sum(e["event"] == "activate" for e in events) for pid, events in by_pid.items()
+    }
+    assert set(activations.values()) == {1}, activations
     assert len(activated) >= 3, activated  # main process, engine core, worker
     assert "EngineCore" in names and "Worker" in names, activated
 
