@@ -1,7 +1,8 @@
 """UCMPatchConnector scheduler + worker sides in one process (no engine): the rules.
 
-Each test plays engine steps through :class:`tests.support.connector_harness.Harness` with an
-in-memory store whose contents the test controls, and asserts one rule of
+Each test plays engine steps through :class:`tests.support.connector_harness.Harness` on the
+real local store in a test directory (``connector_harness.ControlledLocalStore``: puts can
+be held, single values removed or rewritten), and asserts one rule of
 docs/CONNECTOR.md: what is dumped, what counts as a hit, what is loaded where, when a
 request's blocks may be freed, what a load error reports, what pins hold.
 """
@@ -10,20 +11,39 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm.v1.core.block_pool import BlockPool
 
-from tests.support.connector_harness import BS, LAYERS, NUM_BLOCKS, Harness, Req, blocks, new_req
+from tests.support.connector_harness import (
+    BS,
+    LAYERS,
+    NUM_BLOCKS,
+    ControlledLocalStore,
+    Harness,
+    Req,
+    blocks,
+    local_store,
+    new_req,
+)
 from tests.support.connector_harness import sched_output as so
-from tests.support.fakes_store import FakeStore
 from ucm_patch import connector
 from ucm_patch.connector import UCMPatchConnector
 from ucm_patch.hooks.stores.base import StoreError
 
 TOKENS = list(range(100, 113))  # 13 tokens: 3 full blocks of 4 + 1
 WAIT_S = 30.0  # generous: other test processes may load the 2 cores
+Store = ControlledLocalStore
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ControlledLocalStore]:
+    """The real local store every connector in this test uses."""
+    with local_store(monkeypatch, tmp_path / "store") as real:
+        yield real
 
 
 def compute_pages(h: Harness, block_ids: list[int], seed: int) -> dict[tuple[int, int], bytes]:
@@ -59,23 +79,23 @@ def prefill(
     return req, md, pages
 
 
-def test_full_blocks_are_dumped_once_per_row(store: FakeStore) -> None:
+def test_full_blocks_are_dumped_once_per_row(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     _req, md, pages = prefill(h, "a", [1, 2, 3, 4])
     assert [bid for _g, bid, _h in md.dumps["a"]] == [1, 2, 3]  # block 4 is partial
     assert md.pinned is False  # no block pool bound: pages copied before save returned
-    assert len(store.data) == 3 * len(LAYERS)
+    assert len(store.files()) == len(store) == 3 * len(LAYERS)
     layout = h.worker.layout
     for i, (_g, bid, block_hash) in enumerate(md.dumps["a"]):
         for row in range(len(LAYERS)):
-            assert store.data[layout.key(block_hash, 0, row, 0)] == pages[(row, bid)], i
+            assert store.payload(layout.key(block_hash, 0, row, 0)) == pages[(row, bid)], i
     # the next decode step fills no new block: nothing more is planned
     md2 = h.step(so(cached=[("a", 13, None)], scheduled={"a": 1}))
     assert md2.dumps == {}
 
 
 def test_hit_loads_layerwise_into_the_new_blocks_and_is_not_dumped_again(
-    store: FakeStore,
+    store: Store,
 ) -> None:
     h = Harness(UCMPatchConnector)
     _a, _md, pages = prefill(h, "a", [1, 2, 3, 4])
@@ -96,7 +116,7 @@ def test_hit_loads_layerwise_into_the_new_blocks_and_is_not_dumped_again(
     assert h.worker.get_block_ids_with_load_errors() == set()
 
 
-def test_first_load_in_a_process_waits_in_start_load_kv(store: FakeStore) -> None:
+def test_first_load_in_a_process_waits_in_start_load_kv(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     prefill(h, "a", [1, 2, 3, 4])
     fresh = Harness(UCMPatchConnector)  # new worker: no layer seen calling its hook yet
@@ -113,28 +133,28 @@ def test_first_load_in_a_process_waits_in_start_load_kv(store: FakeStore) -> Non
     assert connector.stats()["loads_sync_fallback"] == 1
 
 
-def test_hit_leaves_one_token_to_compute(store: FakeStore) -> None:
+def test_hit_leaves_one_token_to_compute(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     prefill(h, "a", [1, 2, 3, 4])
     exact = Req("b", TOKENS[:12])  # exactly 3 full blocks
     assert h.sched.get_num_new_matched_tokens(exact, 0) == (8, False)
 
 
-def test_partial_block_is_a_miss_and_the_prefix_must_be_contiguous(store: FakeStore) -> None:
+def test_partial_block_is_a_miss_and_the_prefix_must_be_contiguous(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     _req, md, _pages = prefill(h, "a", [1, 2, 3, 4])
     layout = h.sched.layout
     hashes = [e[2] for e in md.dumps["a"]]
-    del store.data[layout.key(hashes[1], 0, 1, 0)]  # block 1, row 1 only
+    store.remove(layout.key(hashes[1], 0, 1, 0))  # block 1, row 1 only
     assert h.sched.get_num_new_matched_tokens(Req("b", TOKENS), 0) == (4, False)
-    del store.data[layout.key(hashes[0], 0, 0, 0)]
+    store.remove(layout.key(hashes[0], 0, 0, 0))
     # block 2 is still complete, but not contiguous with the start
     assert h.sched.get_num_new_matched_tokens(Req("c", TOKENS), 0) == (0, False)
     # a local (block-aligned) hit of 4 tokens: the store continues from block 1 -> miss
     assert h.sched.get_num_new_matched_tokens(Req("d", TOKENS), 4) == (0, False)
 
 
-def test_lookup_store_error_is_a_miss(store: FakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lookup_store_error_is_a_miss(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness(UCMPatchConnector)
     prefill(h, "a", [1, 2, 3, 4])
 
@@ -146,13 +166,13 @@ def test_lookup_store_error_is_a_miss(store: FakeStore, monkeypatch: pytest.Monk
     assert connector.stats()["lookup_errors"] == 1
 
 
-def test_missing_value_at_load_time_is_reported_as_load_error(store: FakeStore) -> None:
+def test_missing_value_at_load_time_is_reported_as_load_error(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     _req, md, _pages = prefill(h, "a", [1, 2, 3, 4])
     b = Req("b", TOKENS)
     assert h.sched.get_num_new_matched_tokens(b, 0) == (12, False)
     # evicted between lookup and load
-    del store.data[h.sched.layout.key(md.dumps["a"][2][2], 0, 0, 0)]
+    store.remove(h.sched.layout.key(md.dumps["a"][2][2], 0, 0, 0))
     h.sched.update_state_after_alloc(b, blocks([5, 6, 7, 8]), 12)
     h.step(so([new_req("b", [[5, 6, 7, 8]], 12)], scheduled={"b": 1}))
     # the whole load of "b" is reported: vLLM recomputes from its first loaded block
@@ -163,10 +183,10 @@ def test_missing_value_at_load_time_is_reported_as_load_error(store: FakeStore) 
     assert stats["load_errors"] == 1
 
 
-def test_recomputed_blocks_are_dumped_again_after_a_rollback(store: FakeStore) -> None:
+def test_recomputed_blocks_are_dumped_again_after_a_rollback(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     _req, md, _pages = prefill(h, "a", [1, 2, 3, 4])
-    store.data.clear()  # e.g. the corrupt values were removed by the failed load
+    store.clear()  # e.g. the corrupt values were removed by the failed load
     b = Req("b", TOKENS)
     h.sched.update_state_after_alloc(b, blocks([5, 6, 7, 8]), 0)
     h.step(so([new_req("b", [[5, 6, 7, 8]], 0)], scheduled={"b": 13}))
@@ -175,7 +195,7 @@ def test_recomputed_blocks_are_dumped_again_after_a_rollback(store: FakeStore) -
     assert [bid for _g, bid, _h in md.dumps.get("b", [])] == [6, 7]
 
 
-def test_spec_decode_draft_positions_never_complete_a_block(store: FakeStore) -> None:
+def test_spec_decode_draft_positions_never_complete_a_block(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     req = Req("a", list(range(6)))
     h.sched.update_state_after_alloc(req, blocks([1, 2]), 0)
@@ -190,7 +210,7 @@ def test_spec_decode_draft_positions_never_complete_a_block(store: FakeStore) ->
     assert [bid for _g, bid, _h in md.dumps["a"]] == [2]
 
 
-def test_delayed_free_exactly_for_requests_with_dumps(store: FakeStore) -> None:
+def test_delayed_free_exactly_for_requests_with_dumps(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     store.hold()  # dumps stay in flight
     a = Req("a", TOKENS)
@@ -217,7 +237,7 @@ def test_delayed_free_exactly_for_requests_with_dumps(store: FakeStore) -> None:
     assert sizes["requests"] == sizes["ready"] == sizes["batches"] == 0
 
 
-def test_preempted_request_is_neither_delayed_nor_reported(store: FakeStore) -> None:
+def test_preempted_request_is_neither_delayed_nor_reported(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     store.hold()
     a = Req("a", TOKENS)
@@ -235,7 +255,7 @@ def test_preempted_request_is_neither_delayed_nor_reported(store: FakeStore) -> 
     assert h.all_sent() == []
 
 
-def test_pins_hold_dumped_blocks_until_every_worker_is_done(store: FakeStore) -> None:
+def test_pins_hold_dumped_blocks_until_every_worker_is_done(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=BS)
     h.sched.bind_gpu_block_pool(pool)
@@ -260,7 +280,7 @@ def test_pins_hold_dumped_blocks_until_every_worker_is_done(store: FakeStore) ->
     assert connector.stats()["pinned_blocks"] == connector.stats()["unpinned_blocks"] == 3
 
 
-def test_unpinned_dump_copies_before_save_returns(store: FakeStore) -> None:
+def test_unpinned_dump_copies_before_save_returns(store: Store) -> None:
     h = Harness(UCMPatchConnector, {"dump_workers": 1})  # no pool: metadata.pinned False
     store.hold()
     other = list(range(500, 513))
@@ -282,7 +302,7 @@ def test_unpinned_dump_copies_before_save_returns(store: FakeStore) -> None:
     block_hash = md.dumps["a"][0][2]
     layout = h.sched.layout
     for layer in range(len(LAYERS)):
-        assert store.data[layout.key(block_hash, 0, layer, 0)] == original[layer]
+        assert store.payload(layout.key(block_hash, 0, layer, 0)) == original[layer]
     assert connector.stats()["dump_pages_eager"] == 2 * 3 * len(LAYERS)
 
 
@@ -296,7 +316,7 @@ def _async_load(h: Harness, rid: str, ids: list[int]) -> None:
         h.step(so())
 
 
-def test_async_load_reports_finished_and_failed_recving(store: FakeStore) -> None:
+def test_async_load_reports_finished_and_failed_recving(store: Store) -> None:
     h = Harness(UCMPatchConnector, {"load_mode": "async"})
     _a, md, pages = prefill(h, "a", [1, 2, 3, 4])
     _async_load(h, "b", [5, 6, 7, 8])
@@ -305,19 +325,19 @@ def test_async_load_reports_finished_and_failed_recving(store: FakeStore) -> Non
     for layer in range(len(LAYERS)):
         for src, dst in zip([1, 2, 3], [5, 6, 7], strict=True):
             assert h.page(layer, dst) == pages[(layer, src)]
-    store.data[h.sched.layout.key(md.dumps["a"][1][2], 0, 1, 0)] = b"short"  # damaged
+    # damaged: a valid frame around a value of the wrong size
+    store.replace(h.sched.layout.key(md.dumps["a"][1][2], 0, 1, 0), b"short")
     _async_load(h, "c", [9, 10, 11, 12])
     assert {r for s in h.recved for r in s} == {"b", "c"}
     assert {r for s in h.failed_recv for r in s} == {"c"}  # vLLM recomputes "c"
     assert h.worker.get_block_ids_with_load_errors() == set()  # reported per request
 
 
-def test_async_load_failure_on_old_api_becomes_block_errors(store: FakeStore) -> None:
+def test_async_load_failure_on_old_api_becomes_block_errors(store: Store) -> None:
     h = Harness(UCMPatchConnector, {"load_mode": "async"})
     _a, md, _pages = prefill(h, "a", [1, 2, 3, 4])
-    del store.data[h.sched.layout.key(md.dumps["a"][0][2], 0, 0, 0)]
     b = Req("b", TOKENS)
-    store.data[h.sched.layout.key(md.dumps["a"][0][2], 0, 0, 0)] = b"x"
+    store.replace(h.sched.layout.key(md.dumps["a"][0][2], 0, 0, 0), b"x")
     assert h.sched.get_num_new_matched_tokens(b, 0) == (12, True)
     h.sched.update_state_after_alloc(b, blocks([5, 6, 7, 8]), 12)
     md_b = h.sched.build_connector_meta(so())
@@ -332,10 +352,10 @@ def test_async_load_failure_on_old_api_becomes_block_errors(store: FakeStore) ->
     assert h.worker.get_block_ids_with_load_errors() == {5, 6, 7}
 
 
-def test_kv_roles_limit_the_sides(store: FakeStore) -> None:
+def test_kv_roles_limit_the_sides(store: Store) -> None:
     producer = Harness(UCMPatchConnector, kv_role="kv_producer")
     prefill(producer, "a", [1, 2, 3, 4])
-    assert len(store.data) == 3 * len(LAYERS)
+    assert len(store.files()) == len(store) == 3 * len(LAYERS)
     assert producer.sched.get_num_new_matched_tokens(Req("b", TOKENS), 0) == (0, False)
     consumer = Harness(UCMPatchConnector, kv_role="kv_consumer")
     assert consumer.sched.get_num_new_matched_tokens(Req("c", TOKENS), 0) == (12, False)

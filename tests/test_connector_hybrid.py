@@ -10,11 +10,22 @@ row (both layers alias) carries both kinds of page.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
-from tests.support.connector_harness import Harness, Req, blocks, new_req, vllm_config
+import pytest
+
+from tests.support.connector_harness import (
+    ControlledLocalStore,
+    Harness,
+    Req,
+    blocks,
+    local_store,
+    new_req,
+    vllm_config,
+)
 from tests.support.connector_harness import sched_output as so
-from tests.support.fakes_store import FakeStore
 from tests.test_connector_config import hybrid_config
 from ucm_patch import connector
 from ucm_patch.connector import UCMPatchConnector
@@ -23,6 +34,14 @@ LAYERS = ("model.layers.0.linear_attn", "model.layers.1.self_attn.attn")
 GDN, ATTN = 0, 1  # group indices
 TOKENS = list(range(300, 317))  # 17 tokens: two units of 8 + 1
 WAIT_S = 30.0
+Store = ControlledLocalStore
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ControlledLocalStore]:
+    """The real local store every connector in this test uses."""
+    with local_store(monkeypatch, tmp_path / "store") as real:
+        yield real
 
 
 def harness() -> Harness:
@@ -61,32 +80,32 @@ def prefill_a(h: Harness) -> tuple[dict[int, bytes], list]:
     return pages, md.dumps["a"]
 
 
-def test_attention_blocks_and_offered_state_are_dumped(store: FakeStore) -> None:
+def test_attention_blocks_and_offered_state_are_dumped(store: Store) -> None:
     h = harness()
     pages, entries = prefill_a(h)
     hashes = Req("a", TOKENS, block_size=8).block_hashes
     assert [(g, bid) for g, bid, _h in entries] == [(ATTN, 5), (ATTN, 6), (GDN, 3)]
     assert entries[2][2] == hashes[1].hex()  # the state after token 16 <-> block hash 1
     layout = h.sched.layout
-    assert store.data[layout.key(hashes[1].hex(), GDN, 0, 0)] == pages[3]
-    assert store.data[layout.key(hashes[0].hex(), ATTN, 0, 0)] == pages[5]
-    assert len(store.data) == 3  # one row: one page per entry
+    assert store.payload(layout.key(hashes[1].hex(), GDN, 0, 0)) == pages[3]
+    assert store.payload(layout.key(hashes[0].hex(), ATTN, 0, 0)) == pages[5]
+    assert len(store.files()) == len(store) == 3  # one row: one page per entry
 
 
-def test_hit_must_end_at_a_stored_state(store: FakeStore) -> None:
+def test_hit_must_end_at_a_stored_state(store: Store) -> None:
     h = harness()
     _pages, entries = prefill_a(h)
     assert h.sched.get_num_new_matched_tokens(Req("b", TOKENS, block_size=8), 0) == (16, True)
     state_key = h.sched.layout.key(entries[2][2], GDN, 0, 0)
-    state = store.data.pop(state_key)
+    state = store.remove(state_key)
     # attention blocks alone are not a hybrid hit: no state at 8 or 16
     assert h.sched.get_num_new_matched_tokens(Req("c", TOKENS, block_size=8), 0) == (0, False)
-    store.data[state_key] = state
-    del store.data[h.sched.layout.key(entries[1][2], ATTN, 0, 0)]
+    store.replace(state_key, state)
+    store.remove(h.sched.layout.key(entries[1][2], ATTN, 0, 0))
     assert h.sched.get_num_new_matched_tokens(Req("d", TOKENS, block_size=8), 0) == (0, False)
 
 
-def test_async_load_puts_state_where_vllm_reads_it_and_never_redumps(store: FakeStore) -> None:
+def test_async_load_puts_state_where_vllm_reads_it_and_never_redumps(store: Store) -> None:
     h = harness()
     pages, _entries = prefill_a(h)
     b = Req("b", TOKENS, block_size=8)
@@ -113,7 +132,7 @@ def test_async_load_puts_state_where_vllm_reads_it_and_never_redumps(store: Fake
     assert md.dumps == {}
 
 
-def test_state_without_destination_fails_the_load(store: FakeStore) -> None:
+def test_state_without_destination_fails_the_load(store: Store) -> None:
     h = harness()
     prefill_a(h)
     b = Req("b", TOKENS, block_size=8)
@@ -126,7 +145,7 @@ def test_state_without_destination_fails_the_load(store: FakeStore) -> None:
     assert {r for s in h.failed_recv for r in s} == {"b"}  # recomputed, never garbage
 
 
-def test_each_mamba_group_dumps_its_state_at_a_shared_boundary(store: FakeStore) -> None:
+def test_each_mamba_group_dumps_its_state_at_a_shared_boundary(store: Store) -> None:
     """A 3:1 checkpoint forms several mamba groups; vLLM offers the same boundary once per
     group. Each group's state must be planned (one stored-up-to mark per group), or a
     lookup, which needs every group's state, never hits."""

@@ -11,6 +11,8 @@ every request (like a P/D sender) and reports two steps after it learns of the f
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,13 +23,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
-from tests.support.connector_harness import Harness, Req, blocks, new_req, vllm_config
+from tests.support.connector_harness import (
+    ControlledLocalStore,
+    Harness,
+    Req,
+    blocks,
+    local_store,
+    new_req,
+    vllm_config,
+)
 from tests.support.connector_harness import sched_output as so
-from tests.support.fakes_store import FakeStore
 from ucm_patch import connector
 
 TOKENS = list(range(100, 113))  # 3 full blocks + 1 token
 WAIT_S = 30.0
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ControlledLocalStore]:
+    """The real local store every connector in this test uses."""
+    with local_store(monkeypatch, tmp_path / "store") as real:
+        yield real
 
 
 class _Meta(KVConnectorMetadata):
@@ -107,7 +123,7 @@ def multi(sibling: str, hma: bool) -> Harness:
 
 @pytest.mark.parametrize(("sibling", "hma"), [("AsyncSibling", False), ("AsyncSiblingHMA", True)])
 def test_multiconnector_frees_only_after_every_async_saver(
-    store: FakeStore, sibling: str, hma: bool
+    store: ControlledLocalStore, sibling: str, hma: bool
 ) -> None:
     h = multi(sibling, hma)
     x = Req("x", TOKENS)  # 3 full blocks: our connector dumps them

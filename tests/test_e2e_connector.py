@@ -16,6 +16,11 @@ One vLLM process per scenario, several assertions per process (each start costs 
   processes; float32, as bf16 faults in spawned CPU workers here): the connector is found
   by its registered name in every process, metadata and worker reports cross process
   boundaries, and the hit equals a recomputation.
+
+The model is ``tiny-qwen3-sharp`` (initializer range 0.2): its greedy tokens depend on the
+KV, so "equals a recomputation" fails for wrong pages (``tests/test_e2e_mutation.py``
+proves it by loading pages changed inside valid frames); the default tiny Qwen3 repeats
+one token whatever its cache holds.
 """
 
 from __future__ import annotations
@@ -49,9 +54,9 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def local_run(tiny_qwen3: Path, store_dir: Path) -> dict[str, Any]:
+def local_run(tiny_qwen3_sharp: Path, store_dir: Path) -> dict[str, Any]:
     spec = {
-        "model": str(tiny_qwen3),
+        "model": str(tiny_qwen3_sharp),
         "extra": {"store": "local", "local_path": str(store_dir)},
         "steps": [
             gen("r1", R1),
@@ -72,15 +77,17 @@ def local_run(tiny_qwen3: Path, store_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def plain_run(tiny_qwen3: Path, store_dir: Path) -> dict[str, Any]:
-    spec = {"model": str(tiny_qwen3), "extra": None, "steps": [gen("r2", R2), gen("r3", R3)]}
+def plain_run(tiny_qwen3_sharp: Path, store_dir: Path) -> dict[str, Any]:
+    spec = {"model": str(tiny_qwen3_sharp), "extra": None, "steps": [gen("r2", R2), gen("r3", R3)]}
     return run_child(spec, store_dir.parent, "plain")
 
 
 @pytest.fixture(scope="module")
-def restart_run(tiny_qwen3: Path, store_dir: Path, local_run: dict[str, Any]) -> dict[str, Any]:
+def restart_run(
+    tiny_qwen3_sharp: Path, store_dir: Path, local_run: dict[str, Any]
+) -> dict[str, Any]:
     spec = {
-        "model": str(tiny_qwen3),
+        "model": str(tiny_qwen3_sharp),
         "extra": {"store": "local", "local_path": str(store_dir)},
         "multi": True,
         "example_dir": str(store_dir.parent / "example"),
@@ -198,10 +205,12 @@ def test_multiconnector_counts_delayed_frees(restart_run: dict[str, Any]) -> Non
 
 
 @pytest.fixture(scope="module")
-def multiprocess_run(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def multiprocess_run(
+    tiny_qwen3_sharp: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("ucm_mp")
     spec = {
-        "model": str(tiny_qwen3),
+        "model": str(tiny_qwen3_sharp),
         "dtype": "float32",
         "multiprocess": True,
         "extra": {"store": "local", "local_path": str(tmp / "store")},

@@ -4,7 +4,9 @@ The whole vLLM process runs inside a private network namespace next to a Mooncak
 and storage node on loopback (``scripts/mooncake_netns.sh``: Mooncake clients listen on
 0.0.0.0 whatever they are told, so nothing may run on the host network); the script stops
 master and node afterwards. Request 1 dumps into Mooncake; after vLLM's own prefix cache is
-reset, request 2 loads the shared prefix from Mooncake and equals a recomputation.
+reset, request 2 loads the shared prefix from Mooncake and equals a recomputation. The
+model is ``tiny-qwen3-sharp``, whose output changes when its KV is wrong
+(``tests/test_e2e_mutation.py``).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
 
 @pytest.fixture(scope="module")
-def mooncake_run(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def mooncake_run(
+    tiny_qwen3_sharp: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("ucm_mooncake")
     spec = {
-        "model": str(tiny_qwen3),
+        "model": str(tiny_qwen3_sharp),
         "extra": {
             "store": "mooncake",
             "mooncake_master": "$MOONCAKE_MASTER",

@@ -19,7 +19,15 @@ tests.support.connector_child SPEC OUT`` (optionally through
   so the next request cannot hit vLLM's own prefix cache, only the store;
 * ``{"op": "corrupt", "count": n}``: flip a payload byte in ``n`` stored files (local
   store), so a later load fails its checksum;
+* ``{"op": "mutate"}``: rewrite every value this process put into the local store with a
+  changed payload (the sign bit of every 16-bit word flipped: finite numbers, different
+  KV) inside a *valid* frame, so a later load passes its checksum and serves wrong KV (a
+  test shows the model's output then differs from a recomputation);
 * ``{"op": "sizes"}``: record internal map sizes (connector sides, scheduler, block pool).
+* ``{"op": "store_keys"}``: per TP rank, how many of the keys this process's scheduler
+  side planned to dump (every row of every dumped block, ``record_dump_keys``) the store
+  holds (``exists_many``): with worker processes the workers' counters are out of reach,
+  the store is not.
 * ``{"op": "reset"}``: ``reset_prefix_cache()`` alone (no step in between);
   ``{"op": "release"}``: :func:`ucm_patch.connector.release_finished`, then the reset.
 * ``{"op": "stress", "requests": [{"id", "prompt", "max_tokens", "abort_at"}],
@@ -28,6 +36,16 @@ tests.support.connector_child SPEC OUT`` (optionally through
   ``abort_at`` is not None is aborted once it has that many output tokens (0: right
   after the step that follows its arrival, possibly still waiting). Records every
   finished request's tokens, the aborted ids and how often vLLM preempted.
+
+``"multi_ours": [extra, extra, ...]`` (instead of ``extra``/``multi``): a ``MultiConnector``
+of several UCMPatchConnectors, one per extra config; each instance's async-save answers
+(``request_finished``) and ``finished_sending`` reports are recorded under
+``per_connector[<store kind>]`` and ``sizes`` lists every instance's maps, so a test can
+check that each instance reports exactly its own requests.
+
+Tensor parallel: ``"tp": n`` (vLLM's ``tensor_parallel_size``; the workers are separate
+processes, the scheduler side stays in this one), ``"env": {...}`` (extra environment for
+the child, e.g. ``VLLM_CPU_OMP_THREADS_BIND``), ``"record_dump_keys": true``.
 
 Other spec keys: ``block_size`` (vLLM's ``--block-size``; hybrid models round it up to fit
 the mamba page), ``mamba_copy`` (``"record"``: log mamba align copies and ``start_load_kv``
@@ -83,6 +101,7 @@ def run_child(
             "PYTHONPATH": repo_pythonpath(),
         }
     )
+    env.update(spec.get("env", {}))
     cmd = [PYTHON, "-m", "tests.support.connector_child", str(spec_path), str(out_path)]
     if netns:
         cmd = ["bash", str(NETNS), "--", *cmd]
@@ -131,6 +150,14 @@ def prompt(seed: int, n: int) -> list[int]:
 # ======================================================================================
 # Child side
 # ======================================================================================
+def _env_values(extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` with ``"$NAME"`` values read from the environment."""
+    return {
+        k: os.environ[v[1:]] if isinstance(v, str) and v.startswith("$") else v
+        for k, v in extra.items()
+    }
+
+
 def _llm(spec: dict[str, Any]) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -140,8 +167,26 @@ def _llm(spec: dict[str, Any]) -> Any:
         kwargs["disable_hybrid_kv_cache_manager"] = False
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
+    if spec.get("tp"):
+        kwargs["tensor_parallel_size"] = spec["tp"]
+        kwargs["distributed_executor_backend"] = "mp"
     extra = spec.get("extra")
-    if extra is not None:
+    if spec.get("multi_ours"):
+        children = [
+            {
+                "kv_connector": "UCMPatchConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": _env_values(child),
+            }
+            for child in spec["multi_ours"]
+        ]
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": children},
+            kv_load_failure_policy="recompute",
+        )
+    elif extra is not None:
         # "$NAME" values come from the environment (the Mooncake master's address is only
         # known inside the network namespace).
         extra = {
@@ -255,6 +300,57 @@ def _corrupt(spec: dict[str, Any], count: int) -> dict[str, Any]:
     return {"corrupted": done}
 
 
+_PUT_KEYS: list[str] = []
+
+
+def _record_put_keys() -> None:
+    """Remember every key put into a local store in this process (for ``mutate``)."""
+    from ucm_patch.hooks.stores.local import LocalStore
+
+    put_many = LocalStore.put_many
+
+    def recording(self: Any, items: Any) -> Any:
+        items = list(items)
+        _PUT_KEYS.extend(key for key, _value in items)
+        return put_many(self, items)
+
+    LocalStore.put_many = recording  # type: ignore[method-assign]
+
+
+def _mutate(spec: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite each recorded value with a changed payload and a valid frame.
+
+    The file of a key is found by its frame (the checksum covers the key), not by the
+    store's file naming, so this depends only on the frame format."""
+    from ucm_patch.hooks.stores.framing import (
+        HEADER_SIZE,
+        CorruptValue,
+        key_bytes,
+        make_header,
+        verify,
+    )
+
+    root = Path(spec["extra"]["local_path"])
+    files = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name[0] != "."}
+    mutated = 0
+    for key in dict.fromkeys(_PUT_KEYS):
+        kb = key_bytes(key)
+        for path, data in files.items():
+            try:
+                verify(kb, data[:HEADER_SIZE], data[HEADER_SIZE:])
+            except CorruptValue:
+                continue
+            payload = bytearray(data[HEADER_SIZE:])
+            payload[1::2] = bytes(b ^ 0x80 for b in payload[1::2])
+            tmp = path.with_name(f".{path.name}.mutate")
+            tmp.write_bytes(make_header(kb, memoryview(payload)) + bytes(payload))
+            os.chmod(tmp, path.stat().st_mode & 0o777)
+            os.replace(tmp, path)
+            mutated += 1
+            break
+    return {"keys": len(set(_PUT_KEYS)), "mutated": mutated}
+
+
 def _stress(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -329,6 +425,7 @@ class _Observer:
         self.state_boundaries: dict[int, set[int]] = {}
         self.order: list[list[Any]] = []
         self.step = 0
+        self.dump_keys: dict[int, set[str]] | None = {} if spec.get("record_dump_keys") else None
         if spec.get("extra") is None:
             return
         from ucm_patch import connector
@@ -344,6 +441,7 @@ class _Observer:
             md = build(self, so)
             observer.step += 1
             observer.record_states(self, so, md)
+            observer.record_keys(self, md)
             return md
 
         cls.build_connector_meta = build_connector_meta  # type: ignore[method-assign]
@@ -386,6 +484,26 @@ class _Observer:
         cls.start_load_kv = start_load_kv  # type: ignore[method-assign]
         mixin._get_kv_connector_output = staticmethod(kv_connector_output)
 
+    def record_keys(self, conn: Any, md: Any) -> None:
+        """rank -> every store key this step's dumps write (all rows, every TP rank)."""
+        if self.dump_keys is None:
+            return
+        layout = conn.layout
+        for entries in md.dumps.values():
+            for gid, _bid, block_hash in entries:
+                for rank in range(layout.tp_size):
+                    keys = self.dump_keys.setdefault(rank, set())
+                    keys.update(layout.keys_for_rank(block_hash, gid, rank))
+
+    def store_keys(self, llm: Any) -> dict[str, Any]:
+        """Per rank: planned dump keys and how many the store holds."""
+        conn = _our_scheduler_connectors(llm)[0]
+        out: dict[str, Any] = {}
+        for rank, keys in sorted((self.dump_keys or {}).items()):
+            present = conn.store.exists_many(sorted(keys))
+            out[str(rank)] = {"expected": len(keys), "present": sum(present)}
+        return out
+
     def record_states(self, conn: Any, so: Any, md: Any) -> None:
         """group -> boundary (tokens) of every mamba state this step's metadata dumps."""
         layout = conn.layout
@@ -406,11 +524,76 @@ class _Observer:
         }
 
 
+class _PerInstance:
+    """Each UCMPatchConnector instance's async-save answers and ``finished_sending`` ids.
+
+    Test-side instrumentation (this process only): ``request_finished`` /
+    ``request_finished_all_groups`` (scheduler side) and ``get_transfer_results`` (worker
+    side) are wrapped on the class and recorded under the instance's store kind."""
+
+    def __init__(self) -> None:
+        self.saves: dict[str, list[str]] = {}
+        self.sending: dict[str, list[str]] = {}
+        from ucm_patch import connector
+
+        cls = connector.UCMPatchConnector
+        record = self
+        finished, finished_all = cls.request_finished, cls.request_finished_all_groups
+        results = cls.get_transfer_results
+
+        def request_finished(self: Any, request: Any, block_ids: Any) -> Any:
+            out = finished(self, request, block_ids)
+            record.saved(self, request, out)
+            return out
+
+        def request_finished_all_groups(self: Any, request: Any, block_ids: Any) -> Any:
+            out = finished_all(self, request, block_ids)
+            record.saved(self, request, out)
+            return out
+
+        def get_transfer_results(self: Any, finished_req_ids: set[str]) -> Any:
+            out = results(self, finished_req_ids)
+            label = self.config.store_kind
+            record.sending.setdefault(label, []).extend(sorted(out.finished_sending))
+            return out
+
+        cls.request_finished = request_finished  # type: ignore[method-assign]
+        cls.request_finished_all_groups = request_finished_all_groups  # type: ignore[method-assign]
+        cls.get_transfer_results = get_transfer_results  # type: ignore[method-assign]
+
+    def saved(self, conn: Any, request: Any, out: tuple[bool, Any]) -> None:
+        ids = self.saves.setdefault(conn.config.store_kind, [])
+        if out[0]:
+            ids.append(request.request_id)
+
+    def report(self) -> dict[str, Any]:
+        labels = sorted(set(self.saves) | set(self.sending))
+        return {
+            label: {
+                "async_saves": self.saves.get(label, []),
+                "sending": self.sending.get(label, []),
+            }
+            for label in labels
+        }
+
+
 _LLM: Any = None
 
 
 def _scheduler_request(rid: str) -> Any:
     return _LLM.llm_engine.engine_core.engine_core.scheduler.requests[rid]
+
+
+def _our_scheduler_connectors(llm: Any) -> list[Any]:
+    """This process's scheduler-side UCMPatchConnector(s), also inside a MultiConnector."""
+    conns = [llm.llm_engine.engine_core.engine_core.scheduler.connector]
+    ours = []
+    while conns:
+        c = conns.pop()
+        if type(c).__name__ == "UCMPatchConnector":
+            ours.append(c)
+        conns.extend(getattr(c, "_connectors", ()))
+    return ours
 
 
 def _layout_report(llm: Any) -> dict[str, Any]:
@@ -428,6 +611,8 @@ def _layout_report(llm: Any) -> dict[str, Any]:
     from ucm_patch import connector
 
     found = connector.active_connectors()
+    if not found and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":
+        found = _our_scheduler_connectors(llm)  # worker processes (tp > 1): same layout
     if found:
         layout = found[0].layout
         out["layout"] = {
@@ -471,7 +656,18 @@ def _sizes(llm: Any, connected: bool) -> dict[str, Any]:
         out["connector_scheduler"] = ours[0]._sched_side.internal_sizes()
         workers = connector.active_connectors()  # this process's worker side(s)
         out["connector_worker"] = workers[0]._worker_side.internal_sizes() if workers else {}
-        out["dump_scheduler"] = get_scheduler().internal_sizes()
+        # Every instance (several under "multi_ours"), and MultiConnector's own count of
+        # outstanding extra async saves on both sides.
+        out["connector_schedulers"] = [c._sched_side.internal_sizes() for c in ours]
+        out["connector_workers"] = [c._worker_side.internal_sizes() for c in workers]
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        agent = getattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+        out["multi_extra_async_saves"] = [
+            len(getattr(c, "_extra_async_saves", {})) for c in (sched.connector, agent)
+        ]
+        # (no worker side in this process, e.g. tp > 1: the dump scheduler lives there)
+        out["dump_scheduler"] = get_scheduler().internal_sizes() if workers else {}
     return out
 
 
@@ -510,7 +706,10 @@ def main(argv: list[str]) -> int:
     if "chain" in spec:
         Path(out_path).write_text(json.dumps(_chain(spec["chain"])))
         return 0
-    connected = spec.get("extra") is not None
+    connected = spec.get("extra") is not None or bool(spec.get("multi_ours"))
+    per_instance = _PerInstance() if spec.get("multi_ours") else None
+    if any(step["op"] == "mutate" for step in spec["steps"]):
+        _record_put_keys()
     observer = _Observer(spec)
     llm = _LLM = _llm(spec)
     results: dict[str, Any] = {}
@@ -523,6 +722,10 @@ def main(argv: list[str]) -> int:
             results[name] = _flush(llm, connected)
         elif op == "corrupt":
             results[name] = _corrupt(spec, step["count"])
+        elif op == "store_keys":
+            results[name] = observer.store_keys(llm)
+        elif op == "mutate":
+            results[name] = _mutate(spec)
         elif op == "stress":
             results[name] = _stress(llm, step)
         elif op == "sizes":
@@ -535,6 +738,8 @@ def main(argv: list[str]) -> int:
         results["layer_calls"] = _layer_calls()
         results["final_stats"] = _stats(True)
         results.update(observer.report())
+        if per_instance is not None:
+            results["per_connector"] = per_instance.report()
     results.update(_layout_report(llm))
     Path(out_path).write_text(json.dumps(results))
     return 0

@@ -14,7 +14,11 @@ scheduler consumes the worker output.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,6 +31,9 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
+
+from ucm_patch.hooks.stores.framing import key_bytes
+from ucm_patch.hooks.stores.local import LocalStore
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 BS = 4
@@ -218,3 +225,104 @@ class Harness:
 
     def all_sent(self) -> list[str]:
         return [rid for s in self.sent for rid in sorted(s)]
+
+
+# ======================================================================================
+# The real local store, with the two controls the connector tests need
+# ======================================================================================
+class ControlledLocalStore(LocalStore):
+    """vLLM's view of the connector's store is the real :class:`LocalStore` in a test
+    directory; on top of it a test can hold puts (dumps "in flight") and remove or
+    rewrite one value (an eviction, a value damaged between lookup and load).
+
+    Removing goes through the store's own file and index, so a lookup afterwards sees
+    exactly what it would after an eviction by another process."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, capacity_bytes=1 << 30)
+        self._gate = threading.Event()
+        self._gate.set()
+        self._cv = threading.Condition()
+        self.busy = 0  # puts currently inside put_many
+
+    # -- holding puts ---------------------------------------------------------------
+    def hold(self) -> None:
+        """Block every put until :meth:`release`."""
+        self._gate.clear()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    def wait_busy(self, n: int, timeout: float = 5.0) -> bool:
+        """Wait until at least ``n`` puts are inside ``put_many``."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self.busy >= n, timeout)
+
+    def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]]) -> list[bool]:
+        with self._cv:
+            self.busy += 1
+            self._cv.notify_all()
+        try:
+            self._gate.wait()
+            return super().put_many(items)
+        finally:
+            with self._cv:
+                self.busy -= 1
+                self._cv.notify_all()
+
+    # -- inspecting and changing values -----------------------------------------------
+    def path_of(self, key: str) -> Path:
+        """The file holding ``key``'s value."""
+        return Path(self._file(self._digest(key_bytes(key))))
+
+    def files(self) -> list[Path]:
+        """Every value file in the directory (temp files excluded)."""
+        return sorted(p for p in Path(self.path).rglob("*") if p.is_file() and p.name[0] != ".")
+
+    def payload(self, key: str) -> bytes | None:
+        """``key``'s value through the store's own read (frame checked)."""
+        return self.get_many([key])[0]
+
+    def remove(self, key: str) -> bytes:
+        """Delete ``key``'s value (file and index) and return its payload."""
+        value = self.payload(key)
+        if value is None:
+            raise KeyError(f"remove: no value stored under key {key!r}")
+        os.unlink(self.path_of(key))
+        self._forget(self._digest(key_bytes(key)))
+        return value
+
+    def replace(self, key: str, payload: bytes) -> None:
+        """Store ``payload`` under ``key`` with a valid frame, replacing any old value."""
+        if self.payload(key) is not None:
+            self.remove(key)
+        assert self.put_many([(key, payload)]) == [True], key
+
+    def clear(self) -> None:
+        """Delete every value (files and index)."""
+        for path in self.files():
+            os.unlink(path)
+            self._forget(path.name)
+
+
+@contextmanager
+def local_store(monkeypatch: Any, path: Path) -> Iterator[ControlledLocalStore]:
+    """Every UCMPatchConnector built in this process uses one :class:`ControlledLocalStore`
+    in ``path``; the process-wide state (store cache, dump scheduler, counters) is reset
+    before and after, and held puts are released at the end."""
+    from ucm_patch.connector import counters as connector_stats
+    from ucm_patch.connector import kv_connector as connector
+    from ucm_patch.hooks.dump import reset_scheduler
+
+    store = ControlledLocalStore(path)
+    monkeypatch.setattr(connector, "make_store", lambda _config: store)
+    connector._stores.clear()
+    reset_scheduler()
+    connector_stats.reset()
+    try:
+        yield store
+    finally:
+        store.release()
+        connector._stores.clear()
+        reset_scheduler()
+        connector_stats.reset()
