@@ -23,6 +23,9 @@ tests.support.connector_child SPEC OUT`` (optionally through
   changed payload (the sign bit of every 16-bit word flipped: finite numbers, different
   KV) inside a *valid* frame, so a later load passes its checksum and serves wrong KV (a
   test shows the model's output then differs from a recomputation);
+* ``{"op": "break_gets"}``: from now on every ``LocalStore.get_many`` raises
+  ``RuntimeError("store exploded")`` (not a ``StoreError``: a bug or a store that breaks
+  its contract); ERROR lines of the ``ucm_patch`` loggers are reported in ``ucm_errors``.
 * ``{"op": "sizes"}``: record internal map sizes (connector sides, scheduler, block pool).
 * ``{"op": "store_keys"}``: per TP rank, how many of the keys this process's scheduler
   side planned to dump (every row of every dumped block, ``record_dump_keys``) the store
@@ -64,6 +67,7 @@ namespace that way).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -286,6 +290,25 @@ def _flush(llm: Any, connected: bool) -> dict[str, Any]:
         if time.monotonic() > deadline:
             return {"reset": False, "attempts": attempts}
         time.sleep(0.05 if attempts >= 2 else 0)
+
+
+_UCM_ERRORS: list[str] = []
+
+
+class _ErrorLines(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        _UCM_ERRORS.append(record.getMessage())
+
+
+def _break_gets() -> dict[str, Any]:
+    from ucm_patch.hooks.stores.local import LocalStore
+
+    def exploding(self: Any, keys: Any) -> Any:
+        raise RuntimeError("store exploded")
+
+    LocalStore.get_many = exploding  # type: ignore[method-assign]
+    logging.getLogger("ucm_patch").addHandler(_ErrorLines(logging.ERROR))
+    return {"broken": True}
 
 
 def _corrupt(spec: dict[str, Any], count: int) -> dict[str, Any]:
@@ -617,6 +640,7 @@ def _layout_report(llm: Any) -> dict[str, Any]:
         layout = found[0].layout
         out["layout"] = {
             "unit": layout.unit,
+            "fingerprint": layout.fingerprint,
             "hash_block_size": layout.hash_block_size,
             "groups": [
                 {
@@ -722,6 +746,8 @@ def main(argv: list[str]) -> int:
             results[name] = _flush(llm, connected)
         elif op == "corrupt":
             results[name] = _corrupt(spec, step["count"])
+        elif op == "break_gets":
+            results[name] = _break_gets()
         elif op == "store_keys":
             results[name] = observer.store_keys(llm)
         elif op == "mutate":
@@ -741,6 +767,7 @@ def main(argv: list[str]) -> int:
         if per_instance is not None:
             results["per_connector"] = per_instance.report()
     results.update(_layout_report(llm))
+    results["ucm_errors"] = _UCM_ERRORS
     Path(out_path).write_text(json.dumps(results))
     return 0
 

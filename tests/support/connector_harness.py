@@ -221,7 +221,9 @@ class Harness:
         self.recved.append(set(res.finished_recving))
         self.failed_recv.append(set(res.failed_recving))
         meta = self.worker.build_connector_worker_meta()
-        self.sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+        self.sched.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=meta, failed_recving=res.failed_recving)
+        )
 
     def all_sent(self) -> list[str]:
         return [rid for s in self.sent for rid in sorted(s)]

@@ -79,9 +79,9 @@ CONNECTOR_KEYS: dict[str, tuple[Callable[[str, object], Any], Any, str]] = {
     "namespace": (
         _namespace,
         None,
-        "identity of the weights in store keys (default: the model name/path given to "
-        "vLLM); set the same value on instances that load the same weights from "
-        "different paths",
+        "replaces the model path and the weight files' mtimes in the key fingerprint "
+        "(their names, sizes and sampled content still count); set the same value on "
+        "instances that load the same weights from different paths or hosts",
     ),
     "load_mode": (
         _one_of(*LOAD_MODES),

@@ -24,6 +24,7 @@ COUNTERS = (
     "loaded_pages",
     "load_errors",
     "load_failed_requests",
+    "load_exceptions",
     "dump_steps",
     "dump_blocks",
     "dump_pages",

@@ -17,8 +17,9 @@ Storage layout (docs/CONNECTOR.md "Keys and rows"):
 * **Keys**: ``ucm1/<fingerprint>/<block hash>/g<group>r<row>t<tp rank>``. The block hash is
   vLLM's content hash of the whole prefix up to that block (``request.block_hashes``), so a
   key names content, not a request. The fingerprint covers what makes bytes incompatible
-  (model identity, dtypes, tensor parallel size, groups, page sizes, rows): two models
-  never share keys, and a changed layout is a miss, never a wrong read.
+  (the weights and every setting that changes KV bytes, :mod:`ucm_patch.connector.identity`;
+  groups, page sizes, rows): two models, or one model before and after its weights were
+  rewritten, never share keys, and a changed layout is a miss, never a wrong read.
 
 A block is a hit only when every key of every row (and every TP rank) exists; a partially
 stored block is simply a miss, so no commit record is needed.
@@ -33,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ucm_patch.connector.identity import model_identity
 from ucm_patch.connector.rows import RowMap
 
 KEY_VERSION = "ucm1"
@@ -193,12 +195,7 @@ class KVLayout:
             or getattr(vllm_config.cache_config, "hash_block_size", None)
             or vllm_config.cache_config.block_size
         )
-        model = vllm_config.model_config
-        identity = {
-            "model": namespace or str(model.model),
-            "dtype": str(model.dtype),
-            "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
-        }
+        identity = model_identity(vllm_config, namespace)
         return cls(groups, rows, int(hash_bs), int(parallel.tensor_parallel_size), identity)
 
 

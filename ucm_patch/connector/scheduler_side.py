@@ -15,7 +15,11 @@ leaves at least one prompt token to compute. Store errors count as a miss.
 **Loads**: ``layerwise`` (synchronous, row by row during the forward; load errors become
 ``get_block_ids_with_load_errors`` so vLLM recomputes) when the model has a single attention
 KV-cache group; ``async`` (between steps; failures come back as ``failed_recving``)
-otherwise, because vLLM 0.32 raises on block-level load errors with several groups.
+otherwise, because vLLM 0.32 raises on block-level load errors with several groups. A
+request whose load failed is never offered a hit again: vLLM puts a failed async load back
+in the waiting queue and asks for a hit once more, and a store that fails the same way every
+time (a broken value that is not removed, a store raising on every read) would otherwise
+turn that into lookup, load, fail, forever.
 
 **Dumps** (:meth:`SchedulerSide.build_connector_meta`): every attention block that becomes
 full in this step (spec-decode draft positions excluded) and has a content hash; for
@@ -123,6 +127,11 @@ class SchedulerSide:
         self._pool: Any = None
         self._pins: dict[int, list[Any]] = {}
         self._reports: dict[int, int] = {}
+        #: request -> block ids its load from the store writes (until it finishes)
+        self._load_blocks: dict[str, set[int]] = {}
+        #: requests whose load failed: never offered a hit again (vLLM recomputes them;
+        #: offering the same broken prefix again would loop lookup -> load -> fail forever)
+        self._load_failed: set[str] = set()
 
     # ---------------------------------------------------------------------------------
     # Lookup
@@ -131,7 +140,7 @@ class SchedulerSide:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` the store can provide, and async-ness."""
-        if not self.can_load:
+        if not self.can_load or request.request_id in self._load_failed:
             return 0, False
         stats.bump("lookups")
         try:
@@ -205,6 +214,7 @@ class SchedulerSide:
                 f"the hit unit {self.layout.unit}"
             )
         block_ids = blocks.get_block_ids()
+        self._load_blocks[rid] = {b for ids in block_ids for b in ids}
         self._loads.append(
             RequestLoad(
                 rid,
@@ -390,7 +400,8 @@ class SchedulerSide:
         stats.bump("pinned_blocks", len(blocks))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Unpin the blocks of steps every worker reported done."""
+        """Remember failed loads; unpin the blocks of steps every worker reported done."""
+        self._note_failed_loads(connector_output)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, UCMWorkerMetadata):
             return
@@ -404,6 +415,19 @@ class SchedulerSide:
             if blocks:
                 self._pool.free_blocks(blocks)
                 stats.bump("unpinned_blocks", len(blocks))
+
+    def _note_failed_loads(self, connector_output: Any) -> None:
+        """Requests whose load the workers reported failed (``failed_recving``, or invalid
+        blocks on vLLM without it) get no hit from this connector again."""
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            failed.update(
+                rid for rid, ids in self._load_blocks.items() if not ids.isdisjoint(invalid)
+            )
+        for rid in failed:
+            if rid in self._reqs:
+                self._load_failed.add(rid)
 
     def has_pending_work(self) -> bool:
         """True while pinned blocks wait for the workers (keeps the engine stepping)."""
@@ -420,6 +444,8 @@ class SchedulerSide:
         self._reqs.pop(rid, None)
         self._lookups.pop(rid, None)
         self._tables.pop(rid, None)
+        self._load_blocks.pop(rid, None)
+        self._load_failed.discard(rid)
         if delay:
             stats.bump("delayed_frees")
         return delay, None
@@ -433,4 +459,6 @@ class SchedulerSide:
             "delayed": len(self._delayed),
             "tables": len(self._tables),
             "pinned_steps": len(self._pins),
+            "load_blocks": len(self._load_blocks),
+            "load_failed": len(self._load_failed),
         }

@@ -21,16 +21,21 @@ a new process) is loaded completely in ``start_load_kv`` instead: a load is neve
 "waited for" by a hook that does not fire. Async: each request loads on the load threads
 between steps and is reported in ``finished_recving``.
 
-**Load errors.** A missing, corrupt (checksum) or wrong-sized value, or a store error,
-fails the whole request's load. Layerwise: all its loaded block ids go to
-``get_block_ids_with_load_errors`` and vLLM (``kv_load_failure_policy="recompute"``)
-recomputes them. Async: the request is reported in ``failed_recving`` (vLLM 0.32) or its
-blocks as load errors (older vLLM).
+**Load errors.** A missing, corrupt (checksum) or wrong-sized value, a store error, or any
+other exception raised while loading (a torch copy error, a store raising something other
+than ``StoreError``, a load thread that cannot start) fails the whole request's load: it is
+counted (``load_errors`` per page, ``load_exceptions`` per exception) and logged once per
+cause, and never propagates into vLLM, where it would kill the engine (vLLM's own hooks) or
+turn a wrapped layer into a silent pass-through with its KV not loaded. Layerwise: all its
+loaded block ids go to ``get_block_ids_with_load_errors`` and vLLM
+(``kv_load_failure_policy="recompute"``) recomputes them. Async: the request is reported
+in ``failed_recving`` (vLLM 0.32) or its blocks as load errors (older vLLM).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -44,6 +49,7 @@ from ucm_patch.connector.layout import KVLayout
 from ucm_patch.connector.meta import RequestLoad, UCMConnectorMetadata, UCMWorkerMetadata
 from ucm_patch.connector.rows import RowLoader
 from ucm_patch.hooks.dump import Batch, DumpScheduler, get_scheduler
+from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import KVStore, StoreError
 
 logger = logging.getLogger(__name__)
@@ -137,6 +143,11 @@ class WorkerSide:
         self._loading = False
         self._in_layer = False
         self._load_errors: set[int] = set()
+        # An exception in a load is logged once per (site, exception type) per connector,
+        # with its traceback; every occurrence is counted in ``load_exceptions``.
+        self._exception_log = RateLimitedLog(logger, interval_s=math.inf)
+        # Missing values and store errors repeat per page and step: a line per cause a minute.
+        self._warning_log = RateLimitedLog(logger, interval_s=60.0)
         # -- async loads
         self._async_loads: list[RequestLoad] = []
         self._async: dict[str, tuple[Future[set[str]], list[int]]] = {}
@@ -275,7 +286,10 @@ class WorkerSide:
         self._close_dumps()
         if self._loading:
             self._loading = False
-            self._loader.drain()
+            try:
+                self._loader.drain()
+            except Exception as exc:  # never into vLLM's step
+                self._fail_step_loads("wait_for_save", exc)
 
     # ---------------------------------------------------------------------------------
     # Loads
@@ -296,23 +310,55 @@ class WorkerSide:
     def start_load_kv(self) -> None:
         """Start this step's loads (layerwise rows ahead; async requests on threads)."""
         if self._load_blocks:
-            self._loader.start()
-            self._loading = True
-            rows = self.layout.rows.rows
-            unseen = any(
-                jobs and any(layer not in self.wait_calls for layer in rows[r].layers)
-                for r, jobs in enumerate(self._row_jobs)
-            )
-            if unseen:
-                stats.bump("loads_sync_fallback")
-                self._loader.drain()
-            else:
-                stats.bump("loads_layerwise")
+            try:
+                self._start_layerwise()
+            except Exception as exc:  # never into vLLM's step
+                self._fail_step_loads("start_load_kv", exc)
         for load in self._async_loads:
             stats.bump("loads_async")
             blocks = [d for _g, dsts, _h in load.entries for d in dsts]
-            self._async[load.req_id] = (self._pool.submit(self._load_request, load), blocks)
+            try:
+                future = self._pool.submit(self._load_request, load)
+            except Exception as exc:  # e.g. the load threads were shut down
+                future = Future()
+                future.set_exception(exc)  # reported as failed_recving by transfer_results
+            self._async[load.req_id] = (future, blocks)
         self._async_loads = []
+
+    def _start_layerwise(self) -> None:
+        self._loader.start()
+        self._loading = True
+        rows = self.layout.rows.rows
+        unseen = any(
+            jobs and any(layer not in self.wait_calls for layer in rows[r].layers)
+            for r, jobs in enumerate(self._row_jobs)
+        )
+        if unseen:
+            stats.bump("loads_sync_fallback")
+            self._loader.drain()
+        else:
+            stats.bump("loads_layerwise")
+
+    def load_exception(self, site: str, exc: BaseException) -> None:
+        """Count an exception raised while loading; log it once per (site, type) with its
+        traceback. The caller turns it into load errors for the affected requests."""
+        stats.bump("load_exceptions")
+        self._exception_log.error(
+            (site, type(exc)),
+            "ucm connector: %s raised %s: %s; the affected blocks are recomputed (logged "
+            "once per cause, counted in load_exceptions)",
+            site,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+
+    def _fail_step_loads(self, site: str, exc: BaseException) -> None:
+        """An exception escaped the row loader: every layerwise load of this step fails
+        (vLLM recomputes those blocks); counted and logged once per cause."""
+        self.load_exception(site, exc)
+        for rid in self._load_blocks:
+            self._fail_layerwise(rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Hot path: wait for ``layer_name``'s row (no-op when nothing loads this step)."""
@@ -322,6 +368,8 @@ class WorkerSide:
             self._in_layer = True
             try:
                 self._loader.on_layer(layer_name)
+            except Exception as exc:  # never into vLLM's forward
+                self._fail_step_loads("wait_for_layer_load", exc)
             finally:
                 self._in_layer = False
 
@@ -336,7 +384,12 @@ class WorkerSide:
             return
         if self._in_layer:
             stats.bump("rows_waited_in_layer")
-        for rid in handle.result():
+        try:
+            failed = handle.result()
+        except Exception as exc:  # _load_row catches; this is the last guard
+            self.load_exception("row load", exc)
+            failed = {rid for rid, _key, _dsts in self._row_jobs[row]}
+        for rid in failed:
             self._fail_layerwise(rid)
 
     def _fail_layerwise(self, rid: str) -> None:
@@ -350,17 +403,23 @@ class WorkerSide:
 
         Returns the ids of requests with at least one page that could not be loaded.
         """
+        try:
+            return self._copy_row(row, jobs)
+        except StoreError as exc:
+            why = "ucm connector: load of row %d failed in the store: %s"
+            self._warning_log.warning(("store", type(exc)), why, row, exc)
+        except Exception as exc:  # a load thread must fail the load, not die
+            self.load_exception("row load", exc)
+        stats.bump("load_errors", len(jobs))
+        return {rid for rid, _key, _dsts in jobs}
+
+    def _copy_row(self, row: int, jobs: list[_LoadJob]) -> set[str]:
         view = self.views[row]
         if view is None:
             raise RuntimeError("ucm connector: load before register_kv_caches")
         page = view.shape[1]
         failed: set[str] = set()
-        try:
-            values = self.store.get_many([key for _rid, key, _dsts in jobs])
-        except StoreError as exc:
-            logger.warning("ucm connector: load of row %d failed in the store: %s", row, exc)
-            stats.bump("load_errors", len(jobs))
-            return {rid for rid, _key, _dsts in jobs}
+        values = self.store.get_many([key for _rid, key, _dsts in jobs])
         dst: list[int] = []
         good: list[bytes] = []
         for (rid, key, dsts), value in zip(jobs, values, strict=True):
@@ -369,7 +428,9 @@ class WorkerSide:
                 why = "missing or corrupt" if value is None else f"{len(value)} bytes"
                 if value is not None and not dsts:
                     why = "no destination block"
-                logger.warning("ucm connector: cannot load %s for %s: %s", key, rid, why)
+                self._warning_log.warning(
+                    ("value", why[:7]), "ucm connector: cannot load %s for %s: %s", key, rid, why
+                )
                 failed.add(rid)
                 continue
             for d in dsts:
@@ -433,8 +494,8 @@ class WorkerSide:
             exc = fut.exception()
             if exc is not None:
                 # Thread boundary: a bug in a load must fail the request (recompute),
-                # not leave it waiting forever; it is logged with its traceback.
-                logger.error("ucm connector: async load of %s raised", rid, exc_info=exc)
+                # not leave it waiting forever.
+                self.load_exception("async load", exc)
                 failed.add(rid)
             elif fut.result():
                 failed.add(rid)
