@@ -48,6 +48,8 @@ def run(
             {"op": "flush", "name": "flush"},
             {"op": "break_gets", "name": "break"},
             gen("r2", R2),
+            # r2 recomputed the prefix into vLLM's own cache: drop it, so r3 asks the store
+            {"op": "flush", "name": "flush_r2"},
             gen("r3", R3),
             gen("r2_recomputed", R2, salt="recompute"),
             gen("r3_recomputed", R3, salt="recompute"),

@@ -79,14 +79,19 @@ def test_contract(case: str, kv_dir: Path) -> None:
 
 
 def test_lru_eviction_keeps_recently_used(kv_dir: Path) -> None:
-    s = LocalStore(kv_dir, capacity_bytes=3 * (HEADER_SIZE + 1000))
-    assert s.put_many([(k, k.encode() * 1000) for k in "abc"]) == [True] * 3
-    assert s.get_many(["a"]) == [b"a" * 1000]  # a becomes most recently used
-    assert s.put_many([("d", b"d" * 1000)]) == [True]
-    assert s.exists_many(["a", "b", "c", "d"]) == [True, False, True, True]
-    assert not os.path.exists(_path_of(s, "b"))
-    assert s.stats["evictions"] == 1
-    assert s.used_bytes == 3 * (HEADER_SIZE + 1000)
+    """A put that does not fit evicts the least recently used values down to 90 %."""
+    unit = HEADER_SIZE + 1000
+    s = LocalStore(kv_dir, capacity_bytes=10 * unit)
+    keys = [f"k{i}" for i in range(10)]
+    assert s.put_many([(k, k.encode().ljust(1000, b".")) for k in keys]) == [True] * 10
+    assert s.used_bytes == 10 * unit and s.stats["evictions"] == 0
+    assert s.get_many(["k0"]) == [b"k0".ljust(1000, b".")]  # k0 becomes most recently used
+    assert s.put_many([("new", b"n" * 1000)]) == [True]
+    # 11 units do not fit in 10: the two oldest (k1, k2) go, leaving 9 = the low-water mark
+    assert s.exists_many([*keys, "new"]) == [True, False, False] + [True] * 8
+    assert not os.path.exists(_path_of(s, "k1"))
+    assert s.stats["evictions"] == 2
+    assert s.used_bytes == 9 * unit
 
 
 def test_value_larger_than_capacity_is_skipped(kv_dir: Path) -> None:
@@ -98,6 +103,7 @@ def test_value_larger_than_capacity_is_skipped(kv_dir: Path) -> None:
 
 
 def test_restart_sees_values_and_keeps_lru_order(kv_dir: Path) -> None:
+    unit = HEADER_SIZE + 500
     s1 = LocalStore(kv_dir, capacity_bytes=1 << 20)
     s1.put_many([(k, k.encode() * 500) for k in "abc"])
     now = time.time()
@@ -106,10 +112,13 @@ def test_restart_sees_values_and_keeps_lru_order(kv_dir: Path) -> None:
     assert s1.get_many(["a"]) == [b"a" * 500]  # a hit refreshes the mtime: order c, b, a
     assert os.path.getmtime(_path_of(s1, "a")) > now - 10
 
-    s2 = LocalStore(kv_dir, capacity_bytes=3 * (HEADER_SIZE + 500))
-    assert len(s2) == 3 and s2.used_bytes == 3 * (HEADER_SIZE + 500)
-    assert s2.put_many([("d", b"d" * 500)]) == [True]
-    assert s2.exists_many(["a", "b", "c", "d"]) == [True, True, False, True]
+    s2 = LocalStore(kv_dir, capacity_bytes=10 * unit)
+    assert len(s2) == 3 and s2.used_bytes == 3 * unit
+    fill = [f"f{i}" for i in range(7)]
+    assert s2.put_many([(k, k.encode().ljust(500, b".")) for k in fill]) == [True] * 7
+    assert s2.put_many([("d", b"d" * 500)]) == [True]  # 11 > 10 units: the 2 oldest go
+    assert s2.exists_many(["a", "b", "c", "d"]) == [True, False, False, True]
+    assert s2.stats["evictions"] == 2
 
 
 def test_lower_capacity_on_restart_evicts_oldest(kv_dir: Path) -> None:
@@ -118,10 +127,10 @@ def test_lower_capacity_on_restart_evicts_oldest(kv_dir: Path) -> None:
     now = time.time()
     for i in range(5):
         os.utime(_path_of(s1, f"k{i}"), (now - 100 + i, now - 100 + i))
-    s2 = LocalStore(kv_dir, capacity_bytes=2 * (HEADER_SIZE + 1000))
+    s2 = LocalStore(kv_dir, capacity_bytes=3 * (HEADER_SIZE + 1000))  # low water: 2.7 values
     assert len(s2) == 2 and s2.stats["evictions"] == 3
     assert s2.exists_many([f"k{i}" for i in range(5)]) == [False, False, False, True, True]
-    assert sum(len(files) for _, _, files in os.walk(kv_dir)) == 2
+    assert sum(len(files) for _, _, files in os.walk(kv_dir)) == 2 + 1  # and the ledger
 
 
 def test_startup_removes_stale_temp_files_only(kv_dir: Path) -> None:
@@ -186,39 +195,48 @@ def test_directory_under_a_regular_file_fails_at_start(tmp_path: Path) -> None:
 
 
 def _fs_driver(mount: str, out: str) -> None:
-    """Inside a private mount namespace with a 256 KiB tmpfs at ``mount``: fill it, then
-    remount it read-only; record what the store does. Run by the test below."""
+    """Inside a private mount namespace with a 256 KiB tmpfs at ``mount``: fill it with a
+    file the store does not own, so that evicting cannot make room, then remount it
+    read-only; record what the store does. Run by the test below."""
     report: dict[str, object] = {}
+    blocker = os.path.join(mount, "blocker")
+    fd = os.open(blocker, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"b" * 4096):
+            pass
+    except OSError:
+        pass
+    os.close(fd)
+    os.truncate(blocker, os.path.getsize(blocker) - (40 << 10))  # 40 KiB free
     s = LocalStore(os.path.join(mount, "kv"), capacity_bytes=64 << 20)
-    stored = []
-    for i in range(100):
-        key = f"fill-{i}"
-        try:
-            s.put_many([(key, os.urandom(16 << 10))])
-        except StoreError as exc:
-            cause = exc.__cause__
-            report["enospc_errno"] = getattr(cause, "errno", None)
-            report["enospc_message"] = str(exc)
-            report["failed_key_visible"] = s.exists_many([key]) == [True]
-            report["failed_key_get"] = s.get_many([key]) == [None]
-            break
-        stored.append(key)
-    report["stored_before_full"] = len(stored)
+    stored = [f"small-{i}" for i in range(2)]
+    report["small_puts"] = s.put_many([(k, os.urandom(8 << 10)) for k in stored])
+    key = "too-big"
+    try:
+        s.put_many([(key, os.urandom(64 << 10))])  # more than the free space + ours
+        report["enospc_errno"] = None
+    except StoreError as exc:
+        report["enospc_errno"] = getattr(exc.__cause__, "errno", None)
+        report["enospc_message"] = str(exc)
+    report["failed_key_visible"] = s.exists_many([key]) == [True]
+    report["failed_key_get"] = s.get_many([key]) == [None]
     report["errors_counted"] = s.stats["errors"]
-    report["stored_still_readable"] = all(v is not None for v in s.get_many(stored))
+    report["disk_full"] = s.stats["disk_full"]
+    report["evicted_to_make_room"] = s.stats["evictions"]
     report["tmp_left"] = [n for _, _, fs in os.walk(mount) for n in fs if n.endswith(".tmp")]
-    for key in stored[1:]:  # free space so the next failure is EROFS, not ENOSPC
-        os.unlink(_path_of(s, key))
+    report["ro_put"] = s.put_many([("ro-key", b"r" * 1000)])
+    s.close()  # its ledger is open for writing, which makes the remount busy
     subprocess.run(["mount", "-o", "remount,ro", mount], check=True)
+    s = LocalStore(os.path.join(mount, "kv"), capacity_bytes=64 << 20)
     try:
         s.put_many([("after-ro", b"x" * 100)])
         report["erofs_errno"] = None
     except StoreError as exc:
         report["erofs_errno"] = getattr(exc.__cause__, "errno", None)
-    report["ro_read_ok"] = s.get_many([stored[0]]) != [None]
+    report["ro_read_ok"] = s.get_many(["ro-key"]) == [b"r" * 1000]
     report["ro_restart_ok"] = len(LocalStore(os.path.join(mount, "kv"), 64 << 20)) >= 1
     tiny = LocalStore(os.path.join(mount, "kv"), capacity_bytes=1)  # eviction cannot unlink
-    report["ro_tiny_capacity_read_ok"] = tiny.get_many([stored[0]]) != [None]
+    report["ro_tiny_capacity_read_ok"] = tiny.get_many(["ro-key"]) == [b"r" * 1000]
     Path(out).write_text(json.dumps(report))
 
 
@@ -236,12 +254,15 @@ def test_disk_full_and_read_only_raise_store_error(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, f"driver failed:\n{proc.stdout}\n{proc.stderr}"
     r = json.loads(out.read_text())
+    assert r["small_puts"] == [True, True], r
+    # ENOSPC: the store evicted its own two values, retried once, then gave up
     assert r["enospc_errno"] == errno.ENOSPC, r
     assert "No space left" in r["enospc_message"], r
-    assert r["stored_before_full"] >= 3, r
+    assert r["disk_full"] == 1 and r["evicted_to_make_room"] == 2, r
     assert r["errors_counted"] == 1, r
     assert r["failed_key_visible"] is False and r["failed_key_get"] is True, r
-    assert r["stored_still_readable"] is True and r["tmp_left"] == [], r
+    assert r["tmp_left"] == [], r
+    assert r["ro_put"] == [True], r
     assert r["erofs_errno"] == errno.EROFS, r
     assert r["ro_read_ok"] is True and r["ro_restart_ok"] is True, r
     assert r["ro_tiny_capacity_read_ok"] is True, r
@@ -255,7 +276,8 @@ def test_default_store_is_local_under_xdg_cache(tmp_path: Path, monkeypatch) -> 
     s = make_store()
     assert isinstance(s, LocalStore)
     assert s.path == str(tmp_path / "xdg" / "ucm_patch" / "kv") and os.path.isdir(s.path)
-    assert s.capacity_bytes == 10 << 30 and s.fsync is False
+    vfs = os.statvfs(s.path)
+    assert s.capacity_bytes == min(10 << 30, vfs.f_bavail * vfs.f_frsize) and s.fsync is False
 
 
 def test_default_store_falls_back_to_home_cache(tmp_path: Path, monkeypatch) -> None:

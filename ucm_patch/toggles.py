@@ -56,6 +56,9 @@ SETTING_VARS = frozenset(
         "UCM_PATCH_REPORT_DIR",
         "UCM_PATCH_VLLM_VERSION",
         "UCM_PATCH_VLLM_ASCEND_VERSION",
+        "UCM_PATCH_DUMP_EXIT_FLUSH_S",  # hooks.dump.scheduler: exit flush bound, seconds
+        "UCM_PATCH_STORE_KEY",  # hooks.stores.framing: integrity key for stored values
+        "UCM_PATCH_STORE_KEY_FILE",  # hooks.stores.framing: file holding that key
     }
 )
 

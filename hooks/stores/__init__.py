@@ -129,6 +129,32 @@ def _host_port(key: str, value: object) -> str:
     return value  # type: ignore[return-value]
 
 
+def _mode(owner_bits: int) -> Callable[[str, object], int]:
+    """A permission mode (int like 0o700 or an octal string like "0700") that keeps the
+    owner's ``owner_bits``: a mode that locks the store out of its own files would only
+    fail later, one put at a time."""
+
+    def parse(key: str, value: object) -> int:
+        mode: int | None = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            mode = value
+        elif isinstance(value, str) and re.fullmatch(r"\s*(0o?)?[0-7]{1,4}\s*", value):
+            mode = int(value.strip().removeprefix("0o") or "0", 8)
+        if mode is None or not 0 <= mode <= 0o777:
+            raise StoreConfigError(
+                f"{key}: expected a permission mode such as 0o{owner_bits:o} or "
+                f"'0{owner_bits:o}' (octal, at most 0777), got {value!r}"
+            )
+        if mode & owner_bits != owner_bits:
+            raise StoreConfigError(
+                f"{key}: the owner needs at least 0{owner_bits:o} (read/write"
+                f"{'/search' if owner_bits & 0o100 else ''}), got 0{mode:o}"
+            )
+        return mode
+
+    return parse
+
+
 def default_local_path() -> str:
     """``$XDG_CACHE_HOME/ucm_patch/kv``, else ``~/.cache/ucm_patch/kv``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -138,8 +164,15 @@ def default_local_path() -> str:
 # key -> (parser, default, help). A default of None means "computed" (see make_store).
 LOCAL_KEYS: dict[str, tuple[Callable[[str, object], Any], Any, str]] = {
     "local_path": (_path, None, "directory (default: user cache dir /ucm_patch/kv)"),
-    "local_capacity_bytes": (_positive_size, 10 << 30, "LRU capacity (default 10GiB)"),
+    "local_capacity_bytes": (
+        _positive_size,
+        None,
+        "LRU capacity for the directory, shared by all processes (default 10GiB, capped at "
+        "start by free space + bytes stored)",
+    ),
     "local_fsync": (_bool, False, "fsync file + directory on every put (default false)"),
+    "local_dir_mode": (_mode(0o700), 0o700, "mode of new directories (default 0700)"),
+    "local_file_mode": (_mode(0o600), 0o600, "mode of new value files (default 0600)"),
 }
 MOONCAKE_KEYS: dict[str, tuple[Callable[[str, object], Any], Any, str]] = {
     "mooncake_master": (_host_port, "127.0.0.1:50051", "master RPC address host:port"),
@@ -206,7 +239,13 @@ def make_store(config: Mapping[str, Any] | None = None) -> KVStore:
     if kind == "local":
         from ucm_patch.hooks.stores.local import LocalStore
 
-        return LocalStore(c["local_path"], c["local_capacity_bytes"], fsync=c["local_fsync"])
+        return LocalStore(
+            c["local_path"],
+            c["local_capacity_bytes"],
+            fsync=c["local_fsync"],
+            dir_mode=c["local_dir_mode"],
+            file_mode=c["local_file_mode"],
+        )
     from ucm_patch.hooks.stores.mooncake import MooncakeStore
 
     return MooncakeStore(

@@ -13,6 +13,22 @@ Layout (little-endian, 20 bytes, then the payload)::
     payload_len     8 B   catches truncation / trailing garbage
     crc32           4 B   over header bytes [0:16] + key (utf-8) + payload
 
+Keyed frame (algo 2), used when a store key is set (``UCM_PATCH_STORE_KEY`` or
+``UCM_PATCH_STORE_KEY_FILE``; environment only, never store config, so the secret does not
+end up in vLLM's logged config). Same 20 bytes, so buffer arithmetic does not change::
+
+    magic  b"UCMv"  4 s
+    version         1 B
+    algo            1 B   2 = keyed blake2b
+    payload_len     6 B   up to 256 TiB
+    mac             8 B   blake2b(key=secret, digest_size=8) over header bytes [0:12] +
+                          key (utf-8) + payload
+
+Why: a CRC detects accidents but anyone who can write the directory (or a Mooncake segment)
+can forge one. With a key set, a CRC-only value or one made with another key is rejected
+like a corrupt value, so a writer without the key cannot get a value served. A 64-bit tag
+suffices because a forger cannot test guesses offline: each try costs a served read.
+
 CRC32 (zlib, ~2 GiB/s here and it releases the GIL) is used instead of a cryptographic hash
 (blake2b ~0.4 GiB/s): the threat is accidental damage (torn writes, bit rot, a bug writing
 the wrong buffer), not an adversary. Binding the key into the checksum also rejects a value
@@ -21,16 +37,27 @@ stored or renamed under the wrong key.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+import stat
 import struct
 import zlib
 
 MAGIC = b"UCMv"
 VERSION = 1
 ALGO_CRC32 = 1
+ALGO_KEYED = 2
+KEY_ENV = "UCM_PATCH_STORE_KEY"
+KEY_FILE_ENV = "UCM_PATCH_STORE_KEY_FILE"
+MIN_KEY_BYTES = 16
 
 _HEADER = struct.Struct("<4sBBHQI")
 HEADER_SIZE = _HEADER.size  # 20
 _PREFIX = 16  # the header bytes covered by the checksum (everything but the crc itself)
+_KEYED = struct.Struct("<4sBB6s8s")
+_KEYED_PREFIX = 12  # magic, version, algo, payload_len: what the mac covers of the header
+_PERSON = b"ucm_patch.kv.v1"  # blake2b personalisation: tags are useless in other contexts
 
 
 class CorruptValue(ValueError):
@@ -61,8 +88,60 @@ def checksum(key: bytes, prefix: bytes | memoryview, payload: bytes | memoryview
     return zlib.crc32(payload, zlib.crc32(key, zlib.crc32(prefix)))
 
 
-def make_header(key: bytes, payload: memoryview) -> bytes:
-    """The 20-byte frame header for ``payload`` stored under ``key``."""
+def load_store_key(env: dict[str, str] | None = None) -> bytes | None:
+    """The integrity key from the environment, or None when neither variable is set.
+
+    Why a ValueError (naming the variable) for a short key, an unreadable file, or both
+    variables set: silently running without the key the operator meant to set would
+    serve unauthenticated values.
+    """
+    env = dict(os.environ) if env is None else env
+    inline, path = env.get(KEY_ENV, ""), env.get(KEY_FILE_ENV, "")
+    if inline and path:
+        raise ValueError(f"set only one of {KEY_ENV} and {KEY_FILE_ENV}, not both")
+    if inline:
+        secret, where = inline.encode(), KEY_ENV
+    elif path:
+        where = f"{KEY_FILE_ENV}={path!r}"
+        try:
+            with open(path, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                secret = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"{where}: cannot read the key file: {exc}") from exc
+        if stat.S_IMODE(mode) & 0o077:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "%s: key file is readable by group/others (mode %o); use chmod 600",
+                where,
+                stat.S_IMODE(mode),
+            )
+    else:
+        return None
+    if len(secret) < MIN_KEY_BYTES:
+        raise ValueError(f"{where}: the key must be at least {MIN_KEY_BYTES} bytes")
+    if len(secret) > 64:  # blake2b takes at most 64 key bytes; longer keys are hashed first
+        secret = hashlib.blake2b(secret).digest()
+    return secret
+
+
+def _mac(
+    secret: bytes, key: bytes, prefix: bytes | memoryview, payload: bytes | memoryview
+) -> bytes:
+    """The 8-byte keyed tag over the header prefix, the key and the payload."""
+    h = hashlib.blake2b(prefix, digest_size=8, key=secret, person=_PERSON)
+    h.update(key)
+    h.update(payload)
+    return h.digest()
+
+
+def make_header(key: bytes, payload: memoryview, secret: bytes | None = None) -> bytes:
+    """The 20-byte frame header for ``payload`` stored under ``key`` (keyed if ``secret``)."""
+    if secret is not None:
+        prefix = _KEYED.pack(MAGIC, VERSION, ALGO_KEYED, len(payload).to_bytes(6, "little"), b"")
+        prefix = prefix[:_KEYED_PREFIX]
+        return prefix + _mac(secret, key, prefix, payload)
     prefix = _HEADER.pack(MAGIC, VERSION, ALGO_CRC32, 0, len(payload), 0)[:_PREFIX]
     return prefix + struct.pack("<I", checksum(key, prefix, payload))
 
@@ -77,16 +156,39 @@ def payload_length(header: bytes | memoryview) -> int:
     magic, version, algo, _reserved, length, _crc = _HEADER.unpack_from(header)
     if magic != MAGIC:
         raise CorruptValue(f"bad magic {bytes(magic)!r}")
+    if version == VERSION and algo == ALGO_KEYED:
+        return int.from_bytes(_KEYED.unpack_from(header)[3], "little")
     if version != VERSION or algo != ALGO_CRC32:
         raise CorruptValue(f"unsupported frame version={version} algo={algo}")
     return length
 
 
-def verify(key: bytes, header: bytes | memoryview, payload: bytes | memoryview) -> None:
-    """Check ``payload`` against ``header`` for ``key``; raise :class:`CorruptValue` if not."""
+def verify(
+    key: bytes,
+    header: bytes | memoryview,
+    payload: bytes | memoryview,
+    secret: bytes | None = None,
+) -> None:
+    """Check ``payload`` against ``header`` for ``key``; raise :class:`CorruptValue` if not.
+
+    With ``secret`` only a keyed frame made with that secret passes; without it only a
+    CRC frame does (a keyed value cannot be checked, so it is not served either).
+    """
     length = payload_length(header)
     if length != len(payload):
         raise CorruptValue(f"length mismatch: header says {length}, got {len(payload)} bytes")
+    algo = header[5]
+    if secret is not None:
+        if algo != ALGO_KEYED:
+            raise CorruptValue("unauthenticated (CRC-only) value while a store key is set")
+        expected_mac = bytes(header[_KEYED_PREFIX:HEADER_SIZE])
+        if not hmac.compare_digest(
+            _mac(secret, key, header[:_KEYED_PREFIX], payload), expected_mac
+        ):
+            raise CorruptValue("authentication failed (written without this store key?)")
+        return
+    if algo == ALGO_KEYED:
+        raise CorruptValue("keyed value but no store key set (set UCM_PATCH_STORE_KEY)")
     (expected,) = struct.unpack_from("<I", header, _PREFIX)
     actual = checksum(key, header[:_PREFIX], payload)
     if actual != expected:

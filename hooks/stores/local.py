@@ -1,46 +1,72 @@
 """The embedded default store: one file per value in a local directory.
 
 Why files: on one machine, write + rename without fsync matches or beats Mooncake and Redis
-(≈1 GiB/s write, 3-5 GiB/s page-cache read, see docs/BENCHMARKS.md), needs no server, and
-survives a restart of vLLM, so a new process on the same directory sees the existing values.
+(see docs/BENCHMARKS.md), needs no server, and survives a restart of vLLM, so a new process
+on the same directory sees the existing values.
 
 Layout: ``<root>/<digest[:2]>/<digest>`` where ``digest`` is a 128-bit blake2b of the key
 (keys may hold any characters; 256 shard directories keep directories small). Each file is
 an integrity frame (:mod:`ucm_patch.hooks.stores.framing`) followed by the payload.
+``<root>/.ucm_ledger`` holds the bytes in use and is the lock all processes share.
 
-* Writes go to a hidden temp file in the same shard, then ``os.replace``: a reader sees the
-  whole old file, the whole new file or nothing. ``fsync=True`` also syncs the file and the
-  shard directory (crash durability at about half the write speed).
-* Every read checks the frame (length and CRC32). A mismatch or a truncated file is counted
-  in ``stats["corrupt"]``, the file is removed and None is returned: corrupt data is never
-  served.
-* Capacity: sizes and least-recently-used order live in memory (an ``OrderedDict``) and are
-  rebuilt from the directory on start (order from file mtimes; a hit refreshes the mtime so
-  the order survives restarts). A put that does not fit evicts the oldest values first; a
-  value larger than the whole capacity is skipped (False). The limit is enforced per
-  process: several processes sharing one directory each account for what they see.
-* Disk errors (full disk ENOSPC, read-only EROFS, permissions EACCES) raise
+Several processes (vLLM workers, restarts, other instances) may use one directory at once,
+so the directory is the only truth; nothing kept in memory answers a question about it:
+
+* ``exists_many`` and a put of a key that is already there look at the file itself; a put
+  answers True only once its file is in place (or another writer's is).
+* Writes go to a hidden temp file in the same shard, then ``os.link`` to the final name (an
+  existing file makes the link fail: the first value wins without double counting), then
+  the temp name is removed. A reader sees a whole file or none. ``fsync=True`` also syncs
+  the file and the shard directory (crash durability at about half the write speed).
+* Every read checks the frame. A mismatch, a truncated file, or anything that is not a
+  regular file (a planted symlink) is counted in ``stats["corrupt"]``, removed and not
+  served. A value evicted while it was being read is a miss, not a hit.
+* Capacity is one limit per directory, across processes: the ledger (bytes used) is updated
+  under ``fcntl.flock`` on every put and removal. A put that does not fit scans the shards,
+  evicts the least recently used files (by mtime; a hit refreshes it) down to 90 % of the
+  capacity so that scans stay rare, and stores the real total it counted in the ledger,
+  which heals drift left by a crash or by files removed behind the store's back. A value
+  larger than the whole capacity is skipped (False).
+* Different capacities for one directory: each process enforces its own against the shared
+  ledger, so a process configured smaller evicts down to its own limit whenever it writes
+  (the smallest capacity among the writers governs). The ledger records the last capacity a
+  process started with; a process starting with another one logs a warning.
+* The default capacity (none configured) is 10 GiB capped at start by the free space plus
+  the bytes already stored there. A full disk (ENOSPC) anyway evicts at least the value's
+  size and 10 % of what is stored, then retries once; if it still fails, StoreError.
+* Owner only by default: new directories 0700, files 0600 (``dir_mode`` / ``file_mode``).
+  Value files are opened with ``O_NOFOLLOW`` and shard directories are only reached through
+  descriptors opened with ``O_NOFOLLOW | O_DIRECTORY``, so a symlink planted in the tree is
+  never followed, neither by reads nor by eviction.
+* With ``UCM_PATCH_STORE_KEY`` (or ``UCM_PATCH_STORE_KEY_FILE``) set, values carry a keyed
+  frame and a value written without the key is rejected like a corrupt one.
+* Disk errors (read-only EROFS, permissions EACCES, ENOSPC after the retry) raise
   :class:`StoreError` from ``put_many``; the temp file is removed, nothing crashes.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import itertools
 import logging
 import os
 import stat
+import struct
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
+from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import KVStore, StoreError
 from ucm_patch.hooks.stores.framing import (
     HEADER_SIZE,
     CorruptValue,
     as_bytes_view,
     key_bytes,
+    load_store_key,
     make_header,
     payload_length,
     verify,
@@ -48,9 +74,18 @@ from ucm_patch.hooks.stores.framing import (
 
 log = logging.getLogger(__name__)
 
-# A temp file older than this at start-up belongs to a writer that died mid-write.
+# A temp file older than this belongs to a writer that died mid-write.
 TMP_GRACE_S = 600.0
+DEFAULT_CAPACITY = 10 << 30
+LOW_WATER = 0.9  # eviction frees down to this fraction, so one scan serves many puts
+LEDGER_NAME = ".ucm_ledger"
+_LEDGER = struct.Struct("<8sQQ")  # magic, bytes used, capacity of the last process started
+_LEDGER_MAGIC = b"UCMledg1"
 _HEX = frozenset("0123456789abcdef")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_SHARD_FLAGS = _DIR_FLAGS | os.O_NOFOLLOW
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def _read_exact(fd: int, n: int) -> bytes:
@@ -66,70 +101,133 @@ def _read_exact(fd: int, n: int) -> bytes:
     return b"".join(parts)
 
 
+def _write_all(fd: int, header: bytes, payload: memoryview) -> None:
+    """Write header + payload with as few syscalls as the kernel allows (writev)."""
+    bufs: list[bytes | memoryview] = [header, payload]
+    while bufs:
+        n = os.writev(fd, bufs)
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = memoryview(bufs[0])[n:]
+
+
 def _is_digest(name: str) -> bool:
     return len(name) == 32 and _HEX.issuperset(name)
 
 
 def _is_temp(name: str) -> bool:
-    """Names written by :meth:`LocalStore._write_file`: ``.<digest>.<pid>.<tid>.<n>.tmp``."""
+    """Names written by :meth:`LocalStore._attempt`: ``.<digest>.<pid>.<tid>.<n>.<size>.tmp``."""
     return name.startswith(".") and name.endswith(".tmp") and _is_digest(name[1:33])
 
 
+def _temp_size(name: str, st: os.stat_result) -> int:
+    """The bytes a temp file will hold: its name says (it is counted before it is written)."""
+    parts = name[1:-4].split(".")
+    if len(parts) == 5 and parts[4].isdigit():
+        return max(int(parts[4]), st.st_size)
+    return st.st_size
+
+
 class LocalStore(KVStore):
-    """A directory of checksummed value files with an LRU capacity limit (thread-safe)."""
+    """A directory of checksummed value files with one LRU capacity shared by processes."""
 
     name = "local"
 
-    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, fsync: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int | None = None,
+        fsync: bool = False,
+        dir_mode: int = 0o700,
+        file_mode: int = 0o600,
+    ) -> None:
         super().__init__()
-        if capacity_bytes <= 0:
+        self.stats["disk_full"] = 0  # ENOSPC that made the store evict and retry
+        if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
         self.path = os.path.abspath(os.fspath(path))
-        self.capacity_bytes = capacity_bytes
         self.fsync = fsync
-        self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # digest -> file size, oldest first
-        self._used = 0  # bytes of indexed files plus space reserved by writes in flight
+        self.dir_mode = dir_mode
+        self.file_mode = file_mode
+        self._lock = threading.Lock()  # flock is per open file, so threads need their own
+        self._fd_lock = threading.Lock()  # guards _shards; taken inside _lock, never around it
+        self._shards: dict[str, int] = {}  # shard name -> descriptor opened with O_NOFOLLOW
         self._closed = False
         self._tmp_seq = itertools.count()
+        self._warn = RateLimitedLog(log, 30.0)
         try:
-            os.makedirs(self.path, exist_ok=True)
+            self._secret = load_store_key()
+        except ValueError as exc:
+            raise StoreError(f"local store: {exc}") from exc
+        try:
+            if not os.path.isdir(self.path):
+                os.makedirs(self.path, mode=dir_mode, exist_ok=True)
+                if dir_mode & 0o077:
+                    os.chmod(self.path, dir_mode)  # the umask may have cut group bits
+            self._root = os.open(self.path, _DIR_FLAGS)
         except OSError as exc:
             raise StoreError(f"local store: cannot create directory {self.path!r}: {exc}") from exc
-        self._rebuild()
+        self._ledger_writable = True
+        self._ledger = self._open_ledger()
+        self._lock_fd = self._root if self._ledger is None else self._ledger
+        self.capacity_bytes = capacity_bytes or DEFAULT_CAPACITY
+        self._start(capped=capacity_bytes is None)
 
     # -- start-up -------------------------------------------------------------------------
 
-    def _rebuild(self) -> None:
-        """Index the values already in the directory (oldest first); drop stale temp files."""
-        found: list[tuple[int, str, int]] = []
-        now = time.time()
+    def _open_ledger(self) -> int | None:
+        """The shared ledger / lock file; None on a read-only directory without one
+        (reads still work, the directory descriptor is locked instead)."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
-            shards = [e for e in os.scandir(self.path) if len(e.name) == 2 and e.is_dir()]
+            fd = os.open(LEDGER_NAME, flags, self.file_mode, dir_fd=self._root)
         except OSError as exc:
-            raise StoreError(f"local store: cannot list {self.path!r}: {exc}") from exc
-        for shard in shards:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                err = f"local store: cannot open {LEDGER_NAME} in {self.path!r}: {exc}"
+                raise StoreError(err) from exc
+            self._ledger_writable = False
             try:
-                entries = list(os.scandir(shard.path))
-            except OSError as exc:
-                raise StoreError(f"local store: cannot list {shard.path!r}: {exc}") from exc
-            for entry in entries:
+                return os.open(LEDGER_NAME, _READ_FLAGS, dir_fd=self._root)
+            except OSError:
+                return None
+        if self.file_mode & 0o077:
+            os.fchmod(fd, self.file_mode)
+        return fd
+
+    def _start(self, capped: bool) -> None:
+        """Count what is stored (healing the ledger), cap a default capacity by the free
+        space, drop stale temp files and evict down to a capacity lowered since last run."""
+        with self._locked():
+            previous = self._read_ledger_full()
+            total = self._scan_total(reap=True)
+            if capped:
                 try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # removed meanwhile by another process
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                if _is_digest(entry.name) and entry.name[:2] == shard.name:
-                    found.append((st.st_mtime_ns, entry.name, st.st_size))
-                elif _is_temp(entry.name) and now - st.st_mtime > TMP_GRACE_S:
-                    self._unlink_quietly(entry.path)
-        found.sort()
-        for _mtime, digest, size in found:
-            self._index[digest] = size
-            self._used += size
-        victims = self._evict_locked(0)  # the capacity may have been lowered since last run
-        self._remove_files(victims)
+                    vfs = os.statvfs(self._root)
+                    room = vfs.f_bavail * vfs.f_frsize + total
+                except OSError:
+                    room = self.capacity_bytes
+                if room < self.capacity_bytes:
+                    self.capacity_bytes = max(room, 1)
+                    log.info(
+                        "local store %s: default capacity capped at %d bytes (free space "
+                        "plus %d bytes already stored)",
+                        self.path,
+                        self.capacity_bytes,
+                        total,
+                    )
+            if previous is not None and previous[1] not in (0, self.capacity_bytes):
+                log.warning(
+                    "local store %s: the previous process started on it used capacity %d "
+                    "bytes, this one %d; while both write, each evicts down to its own limit",
+                    self.path,
+                    previous[1],
+                    self.capacity_bytes,
+                )
+            if total > self.capacity_bytes:
+                total = self._evict_locked(self._low_water(), 0)
+            self._write_ledger(total)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -144,89 +242,183 @@ class LocalStore(KVStore):
         if self._closed:
             raise StoreError(f"local store {self.path!r} is closed")
 
-    def _evict_locked(self, incoming: int) -> list[str]:
-        """Pop least-recently-used entries until ``incoming`` more bytes fit (lock held)."""
-        victims = []
-        while self._index and self._used + incoming > self.capacity_bytes:
-            digest, size = self._index.popitem(last=False)
-            self._used -= size
-            self.stats["evictions"] += 1
-            victims.append(digest)
-        return victims
+    def _low_water(self) -> int:
+        return int(self.capacity_bytes * LOW_WATER)
 
-    def _remove_files(self, digests: list[str]) -> None:
-        """Delete evicted files. Best effort: in a read-only directory eviction must not
-        fail reads; the file stays on disk, unindexed (a put there fails on its own)."""
-        for digest in digests:
-            self._unlink_quietly(self._file(digest))
-
-    @staticmethod
-    def _unlink_quietly(path: str) -> None:
-        """Best-effort removal of an evicted, temp or corrupt file."""
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return  # already gone (another process evicted or replaced it)
-        except OSError as exc:  # read-only or permissions: reads never trust such a file
-            log.warning("local store: cannot remove %s: %s", path, exc)
-
-    def _adopt(self, digest: str, size: int) -> None:
-        """Index a file another process (or an earlier run) wrote, or refresh its LRU slot."""
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """This process's threads and every other process on the directory, in that order."""
         with self._lock:
-            if digest in self._index:
-                self._index.move_to_end(digest)
-                return
-            self._index[digest] = size
-            self._used += size
-            victims = self._evict_locked(0)
-        self._remove_files(victims)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _read_ledger_full(self) -> tuple[int, int] | None:
+        """(bytes used, capacity) from the ledger, None when missing or unreadable (lock held)."""
+        if self._ledger is None:
+            return None
+        try:
+            raw = os.pread(self._ledger, _LEDGER.size, 0)
+        except OSError:
+            return None
+        if len(raw) != _LEDGER.size:
+            return None
+        magic, used, capacity = _LEDGER.unpack(raw)
+        return (used, capacity) if magic == _LEDGER_MAGIC else None
+
+    def _write_ledger(self, used: int) -> None:
+        """Record ``used`` bytes (lock held). Best effort: on a read-only directory the
+        ledger cannot change, and nothing can be written there either."""
+        if self._ledger is None or not self._ledger_writable:
+            return
+        data = _LEDGER.pack(_LEDGER_MAGIC, max(used, 0), self.capacity_bytes)
+        try:
+            os.pwrite(self._ledger, data, 0)
+        except OSError as exc:
+            self._warn.warning(("ledger", exc.errno), "local store %s: ledger: %s", self.path, exc)
+
+    def _shard(self, name: str, create: bool) -> int | None:
+        """A descriptor of shard directory ``name``, never through a symlink.
+
+        None when it does not exist (and ``create`` is false) or is not a real directory;
+        with ``create`` the latter raises :class:`StoreError`.
+        """
+        fd = self._shards.get(name)
+        if fd is not None:
+            return fd
+        try:
+            fd = os.open(name, _SHARD_FLAGS, dir_fd=self._root)
+        except FileNotFoundError:
+            if not create:
+                return None
+            try:
+                os.mkdir(name, self.dir_mode, dir_fd=self._root)
+                if self.dir_mode & 0o077:
+                    os.chmod(name, self.dir_mode, dir_fd=self._root, follow_symlinks=False)
+            except FileExistsError:
+                pass  # another process or thread created it meanwhile
+            except OSError as exc:
+                raise StoreError(f"local store: cannot create shard {name!r}: {exc}") from exc
+            return self._shard(name, create=False)
+        except OSError as exc:  # ELOOP / ENOTDIR: a symlink or a file where a shard belongs
+            where = os.path.join(self.path, name)
+            if create:
+                raise StoreError(
+                    f"local store: {where!r} is not a directory (a symlink?): {exc}"
+                ) from exc
+            self._warn.warning(("shard", name), "local store: not following %s: %s", where, exc)
+            return None
+        with self._fd_lock:
+            if name in self._shards:  # another thread opened it first
+                os.close(fd)
+                return self._shards[name]
+            self._shards[name] = fd
+        return fd
+
+    def _stale_shard(self, name: str, fd: int) -> bool:
+        """True (and the cached descriptor dropped) when the shard was deleted since it was
+        opened: a new one of that name may hold values written since."""
+        try:
+            gone = os.fstat(fd).st_nlink == 0
+        except OSError:
+            gone = True
+        if gone:
+            with self._fd_lock:
+                if self._shards.get(name) == fd:
+                    del self._shards[name]
+                    os.close(fd)
+        return gone
+
+    def _scan(self, reap: bool) -> tuple[list[tuple[int, str, str, int]], int]:
+        """Every value file as (mtime_ns, shard, name, size) and the bytes in use, temp files
+        in flight counted at their final size (lock held). ``reap`` removes stale temps."""
+        values: list[tuple[int, str, str, int]] = []
+        total = 0
+        now = time.time()
+        try:
+            with os.scandir(self._root) as it:
+                names = [e.name for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+        except OSError as exc:
+            raise StoreError(f"local store: cannot list {self.path!r}: {exc}") from exc
+        for shard in names:
+            if not _HEX.issuperset(shard):
+                continue
+            sfd = self._shard(shard, create=False)
+            if sfd is None:
+                continue
+            try:
+                with os.scandir(sfd) as it:
+                    entries = list(it)
+            except OSError as exc:
+                raise StoreError(f"local store: cannot list shard {shard!r}: {exc}") from exc
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed meanwhile by another process
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if _is_digest(entry.name) and entry.name[:2] == shard:
+                    values.append((st.st_mtime_ns, shard, entry.name, st.st_size))
+                    total += st.st_size
+                elif _is_temp(entry.name):
+                    if reap and now - st.st_mtime > TMP_GRACE_S:
+                        self._unlink_quietly(sfd, entry.name)
+                    else:
+                        total += _temp_size(entry.name, st)
+        return values, total
+
+    def _scan_total(self, reap: bool = False) -> int:
+        return self._scan(reap)[1]
+
+    def _evict_locked(self, limit: int, incoming: int, trigger: int | None = None) -> int:
+        """If the real total plus ``incoming`` exceeds ``trigger`` (default ``limit``),
+        remove least recently used values until it is at most ``limit``. Returns the real
+        total afterwards (lock held; the caller records it). A ledger that drifted high
+        thus costs one scan, not an eviction."""
+        values, total = self._scan(reap=True)
+        if total + incoming <= (limit if trigger is None else trigger):
+            return total
+        values.sort()
+        for _mtime, shard, name, size in values:
+            if total + incoming <= limit:
+                break
+            sfd = self._shard(shard, create=False)
+            if sfd is not None and self._unlink_quietly(sfd, name):
+                self.stats["evictions"] += 1
+            total -= size  # gone either way: removed now or by another process before
+        return total
+
+    def _unlink_quietly(self, sfd: int, name: str) -> bool:
+        """Best-effort removal of an evicted, temp or corrupt file; True when removed.
+
+        Best effort: in a read-only directory eviction must not fail reads; the file stays
+        on disk (a put there fails on its own)."""
+        try:
+            os.unlink(name, dir_fd=sfd)
+        except FileNotFoundError:
+            return False  # already gone (another process evicted or replaced it)
+        except OSError as exc:
+            self._warn.warning(
+                ("unlink", exc.errno), "local store %s: cannot remove %s: %s", self.path, name, exc
+            )
+            return False
+        return True
+
+    def _release(self, size: int) -> None:
+        """Give back ``size`` bytes in the ledger (a failed write, a removed value)."""
+        with self._locked():
+            found = self._read_ledger_full()
+            if found is not None:
+                self._write_ledger(found[0] - size)
 
     def _forget(self, digest: str) -> None:
-        with self._lock:
-            size = self._index.pop(digest, None)
-            if size is not None:
-                self._used -= size
+        """Nothing to do: no index is kept. A file removed behind the store's back only
+        leaves the ledger high until the next eviction scan counts the real total."""
 
     # -- writes ---------------------------------------------------------------------------
-
-    def _write_file(self, digest: str, header: bytes, payload: memoryview) -> None:
-        """Write header + payload to a temp file and rename it over the final name."""
-        final = self._file(digest)
-        shard = os.path.dirname(final)
-        tmp = os.path.join(
-            shard, f".{digest}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}.tmp"
-        )
-        try:
-            fd = self._open_tmp(tmp, shard)
-            try:
-                with open(fd, "wb", closefd=True) as f:
-                    f.write(header)
-                    f.write(payload)
-                    if self.fsync:
-                        f.flush()
-                        os.fsync(f.fileno())
-                os.replace(tmp, final)
-            except BaseException:
-                self._unlink_quietly(tmp)
-                raise
-            if self.fsync:
-                dir_fd = os.open(shard, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
-        except OSError as exc:
-            raise StoreError(f"local store: cannot write {final!r}: {exc}") from exc
-
-    @staticmethod
-    def _open_tmp(tmp: str, shard: str) -> int:
-        """Create the temp file exclusively, creating its shard directory on first use."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            return os.open(tmp, flags, 0o644)
-        except FileNotFoundError:
-            os.makedirs(shard, exist_ok=True)
-            return os.open(tmp, flags, 0o644)
 
     def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]]) -> list[bool]:
         """Store values (first value per key wins); False when larger than the capacity."""
@@ -248,38 +440,140 @@ class LocalStore(KVStore):
         size = HEADER_SIZE + len(payload)
         with self._lock:
             self.stats["puts"] += 1
-            if digest in self._index:
-                self._index.move_to_end(digest)
-                return True
             if size > self.capacity_bytes:
                 self.stats["skipped_full"] += 1
                 return False
-        try:
-            existing = os.stat(self._file(digest)).st_size
-        except FileNotFoundError:
-            existing = -1
-        except OSError as exc:
-            raise StoreError(f"local store: cannot stat {self._file(digest)!r}: {exc}") from exc
-        if existing >= 0:  # written by another process or before a restart: first value wins
-            self._adopt(digest, existing)
-            return True
-        with self._lock:
-            victims = self._evict_locked(size)
-            self._used += size  # reserve before writing so concurrent puts cannot overshoot
-        try:
-            self._remove_files(victims)
-            self._write_file(digest, make_header(kb, payload), payload)
-        except BaseException:
+        shard = digest[:2]
+        sfd = self._shard(shard, create=True)
+        if sfd is None:
+            raise StoreError(f"local store: shard {shard!r} of {self.path!r} vanished")
+        if self._is_value(sfd, digest):
+            return True  # written by another process or before a restart: first value wins
+        header = make_header(kb, payload, self._secret)
+        retried = False
+        while True:
+            try:
+                stored = self._attempt(sfd, digest, header, payload, size)
+                break
+            except FileNotFoundError as exc:  # the shard was deleted since it was opened
+                if retried or not self._stale_shard(shard, sfd):
+                    final = self._file(digest)
+                    raise StoreError(f"local store: cannot write {final!r}: {exc}") from exc
+                sfd = self._shard(shard, create=True)  # type: ignore[assignment]
+                retried = True
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or retried:
+                    final = self._file(digest)
+                    raise StoreError(f"local store: cannot write {final!r}: {exc}") from exc
+                self._relieve_disk(size, exc)
+                retried = True
+        if stored:
             with self._lock:
-                self._used -= size
-            raise
-        with self._lock:
-            if digest in self._index:  # a concurrent put of the same key won the race
-                self._used -= size
-            else:
-                self._index[digest] = size
                 self.stats["bytes_written"] += len(payload)
         return True
+
+    def _is_value(self, sfd: int, digest: str) -> bool:
+        """A regular file (not a symlink, not a directory) under ``digest`` in the shard."""
+        try:
+            st = os.stat(digest, dir_fd=sfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"local store: cannot stat {self._file(digest)!r}: {exc}") from exc
+        return stat.S_ISREG(st.st_mode)
+
+    def _attempt(
+        self, sfd: int, digest: str, header: bytes, payload: memoryview, size: int
+    ) -> bool:
+        """One write: temp file, reserve in the ledger, write, link. True when this call
+        stored the value, False when another writer's file won. OSError on failure, with the
+        temp file removed and the reservation given back."""
+        tmp = f".{digest}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}.{size}.tmp"
+        fd = os.open(tmp, _TMP_FLAGS, self.file_mode, dir_fd=sfd)  # counted by scans from now
+        reserved = False
+        try:
+            try:
+                if self.file_mode & 0o077:
+                    os.fchmod(fd, self.file_mode)
+                self._reserve(size)
+                reserved = True
+                _write_all(fd, header, payload)
+                now = time.time_ns()  # explicit: file times are only jiffy-precise otherwise
+                os.utime(fd, ns=(now, now))
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            won = self._link(sfd, tmp, digest)
+            if not won:
+                self._release(size)
+            elif self.fsync:
+                os.fsync(sfd)
+            return won
+        except BaseException:
+            if reserved:
+                self._release(size)
+            raise
+        finally:
+            self._unlink_quietly(sfd, tmp)
+
+    def _link(self, sfd: int, tmp: str, digest: str) -> bool:
+        """Give the temp file its final name unless a value is already there."""
+        for _ in range(2):
+            try:
+                os.link(tmp, digest, src_dir_fd=sfd, dst_dir_fd=sfd, follow_symlinks=False)
+                return True
+            except FileExistsError:
+                if self._is_value(sfd, digest):
+                    return False  # a concurrent writer of the same key won
+                try:  # a symlink or other planted entry: not ours to keep
+                    os.unlink(digest, dir_fd=sfd)
+                except IsADirectoryError:
+                    raise
+                except FileNotFoundError:
+                    pass
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EMLINK):
+                    raise
+                # no hard links on this file system: rename (a concurrent same-key put
+                # may then be counted twice until the next scan)
+                os.replace(tmp, digest, src_dir_fd=sfd, dst_dir_fd=sfd)
+                return True
+        raise FileExistsError(errno.EEXIST, "cannot replace the entry", self._file(digest))
+
+    def _reserve(self, size: int) -> None:
+        """Count ``size`` more bytes in the shared ledger, evicting first if they do not fit.
+
+        The caller's temp file already exists, so a scan counts it: after an eviction the
+        recounted total includes this value.
+        """
+        with self._locked():
+            found = self._read_ledger_full()
+            if found is not None and found[0] + size <= self.capacity_bytes:
+                self._write_ledger(found[0] + size)
+                return
+            limit = max(self._low_water(), size)
+            self._write_ledger(self._evict_locked(limit, 0, trigger=self.capacity_bytes))
+
+    def _relieve_disk(self, size: int, exc: OSError) -> None:
+        """ENOSPC: evict at least ``size`` bytes and a tenth of what is stored (so the next
+        puts do not hit the wall again at once), at least to the low-water mark."""
+        with self._locked():
+            before = self.stats["evictions"]
+            total = self._scan_total()
+            limit = max(0, min(self._low_water(), int(total * LOW_WATER), total - size))
+            after = self._evict_locked(limit, 0)
+            self._write_ledger(after)
+            self.stats["disk_full"] += 1
+            evicted = self.stats["evictions"] - before
+        self._warn.warning(
+            "enospc",
+            "local store %s: disk full (%s); evicted %d values (%d bytes), retrying once",
+            self.path,
+            exc.strerror,
+            evicted,
+            total - after,
+        )
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -296,51 +590,86 @@ class LocalStore(KVStore):
             raise
         return out
 
+    def _open_value(self, digest: str) -> tuple[int, int] | None:
+        """(shard descriptor, value descriptor), or None when missing; a symlink in place
+        of the value is removed and counted corrupt."""
+        shard = digest[:2]
+        for _ in range(2):
+            sfd = self._shard(shard, create=False)
+            if sfd is None:
+                return None
+            try:
+                return sfd, os.open(digest, _READ_FLAGS, dir_fd=sfd)
+            except FileNotFoundError:
+                if not self._stale_shard(shard, sfd):
+                    return None
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise StoreError(
+                        f"local store: cannot open {self._file(digest)!r}: {exc}"
+                    ) from exc
+                self._warn.warning(
+                    "symlink", "local store: symlink in place of %s removed", self._file(digest)
+                )
+                self._unlink_quietly(sfd, digest)
+                with self._lock:
+                    self.stats["corrupt"] += 1
+                return None
+        return None
+
     def _get_one(self, key: str) -> bytes | None:
         kb = key_bytes(key)
         digest = self._digest(kb)
-        path = self._file(digest)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            self._forget(digest)
+        opened = self._open_value(digest)
+        if opened is None:
             self._count_get(hit=False)
             return None
-        except OSError as exc:
-            raise StoreError(f"local store: cannot open {path!r}: {exc}") from exc
+        sfd, fd = opened
+        st: os.stat_result | None = None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptValue("not a regular file")
             header = _read_exact(fd, HEADER_SIZE)
             length = payload_length(header)
             if st.st_size != HEADER_SIZE + length:
                 raise CorruptValue(f"file is {st.st_size} bytes, frame says {HEADER_SIZE + length}")
             payload = _read_exact(fd, length)
-            verify(kb, header, payload)
+            verify(kb, header, payload, self._secret)
+            if os.fstat(fd).st_nlink == 0:  # evicted while we read: answer as the disk does
+                self._count_get(hit=False)
+                return None
+            try:
+                now = time.time_ns()
+                os.utime(fd, ns=(now, now))  # the LRU order lives in the mtimes
+            except OSError:
+                pass  # best effort: read-only directory or not our file; the read succeeded
         except CorruptValue as exc:
-            log.warning("local store: dropped corrupt value %r in %s (%s)", key, path, exc)
-            self._drop_corrupt(digest, path, st)
+            self._warn.warning(
+                "corrupt",
+                "local store: dropped corrupt value %r in %s (%s)",
+                key,
+                self._file(digest),
+                exc,
+            )
+            self._drop_corrupt(sfd, digest, st)
             return None
         except OSError as exc:
-            raise StoreError(f"local store: cannot read {path!r}: {exc}") from exc
+            raise StoreError(f"local store: cannot read {self._file(digest)!r}: {exc}") from exc
         finally:
             os.close(fd)
-        try:
-            os.utime(path)  # persist the LRU order for the next start-up
-        except OSError:
-            pass  # best effort: read-only directory or evicted meanwhile; the read succeeded
-        self._adopt(digest, st.st_size)
         self._count_get(hit=True, nbytes=length)
         return payload
 
-    def _drop_corrupt(self, digest: str, path: str, st: os.stat_result) -> None:
+    def _drop_corrupt(self, sfd: int, digest: str, st: os.stat_result | None) -> None:
         """Remove a corrupt file unless a writer has already replaced it with a new one."""
         try:
-            same_file = os.stat(path).st_ino == st.st_ino
+            now = os.stat(digest, dir_fd=sfd, follow_symlinks=False)
+            same_file = st is not None and now.st_ino == st.st_ino
         except FileNotFoundError:
             same_file = False
-        if same_file:
-            self._unlink_quietly(path)
-            self._forget(digest)
+        if same_file and st is not None and self._unlink_quietly(sfd, digest):
+            self._release(st.st_size)
         with self._lock:
             self.stats["corrupt"] += 1
             self.stats["gets"] += 1
@@ -356,41 +685,57 @@ class LocalStore(KVStore):
                 self.stats["misses"] += 1
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """Presence per key (index first, then the directory for other writers' files)."""
+        """Presence per key, from the directory itself (a regular file under the key)."""
         self._check_open()
         out: list[bool] = []
         for key in keys:
             digest = self._digest(key_bytes(key))
-            with self._lock:
-                known = digest in self._index
-            if not known:
-                try:
-                    size = os.stat(self._file(digest)).st_size
-                except FileNotFoundError:
-                    out.append(False)
-                    continue
-                except OSError as exc:
-                    err = f"local store: cannot stat {self._file(digest)!r}: {exc}"
-                    raise StoreError(err) from exc
-                self._adopt(digest, size)
-            out.append(True)
+            shard = digest[:2]
+            found = False
+            for _ in range(2):
+                sfd = self._shard(shard, create=False)
+                if sfd is None:
+                    break
+                found = self._is_value(sfd, digest)
+                if found or not self._stale_shard(shard, sfd):
+                    break
+            out.append(found)
         return out
 
     # -- introspection / lifecycle ---------------------------------------------------------
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the values this process accounts for (headers included)."""
-        with self._lock:
-            return self._used
+        """Bytes the shared ledger counts for the directory (headers included)."""
+        with self._locked():
+            found = self._read_ledger_full()
+        return found[0] if found is not None else 0
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._index)
+        """Values in the directory (a scan: for tests and tools, not hot paths)."""
+        with self._locked():
+            return len(self._scan(reap=False)[0])
 
     def close(self) -> None:
-        """Refuse further operations. Files stay; nothing else is held."""
-        self._closed = True
+        """Refuse further operations and release the descriptors. Files stay."""
+        with self._fd_lock:
+            if self._closed:
+                return
+            self._closed = True
+            fds = [*self._shards.values(), self._root]
+            if self._ledger is not None:
+                fds.append(self._ledger)
+            self._shards.clear()
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        """Release the descriptors of a store dropped without :meth:`close`."""
+        if hasattr(self, "_ledger") and not self._closed:
+            self.close()
 
 
 __all__ = ["LocalStore"]

@@ -27,7 +27,9 @@ Design (measurements: docs/BENCHMARKS.md):
   and status timeouts that drop such connections), then reused. Memory stays bounded; while
   every buffer is quarantined, operations fail fast with :class:`StoreError`.
 * Integrity: every value carries the frame of :mod:`ucm_patch.hooks.stores.framing`; a
-  value that fails it is counted corrupt, removed with ``force=True`` and not served.
+  value that fails it is counted corrupt, removed with ``force=True`` and not served. With
+  a store key set (environment) the frame is keyed; without one, a non-loopback
+  ``local_hostname`` logs a warning at start (other hosts could write values we load).
 * A dead master makes calls fail with -900 RPC_FAIL after ≈4 s (Mooncake's own RPC
   timeout), so no operation hangs; ``health_check()`` cannot detect it and is not used.
 """
@@ -35,6 +37,7 @@ Design (measurements: docs/BENCHMARKS.md):
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import logging
 import os
 import threading
@@ -49,6 +52,7 @@ from ucm_patch.hooks.stores.framing import (
     CorruptValue,
     as_bytes_view,
     key_bytes,
+    load_store_key,
     make_header,
     verify,
 )
@@ -108,6 +112,18 @@ class _Buffer:
         self.release_at = 0.0
 
 
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses: only then is a Mooncake segment out of
+    reach of other hosts (so values need no key to be trusted)."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 class MooncakeStore(KVStore):
     """Mooncake Store client with checksummed values and registered staging buffers."""
 
@@ -130,6 +146,17 @@ class MooncakeStore(KVStore):
     ) -> None:
         super().__init__()
         self.stats["quarantined"] = 0
+        try:
+            self._secret = load_store_key()
+        except ValueError as exc:
+            raise StoreError(f"mooncake store: {exc}") from exc
+        if self._secret is None and not is_loopback(local_hostname):
+            log.warning(
+                "mooncake store: mooncake_local_hostname=%r is reachable from other hosts and "
+                "no store key is set: any client of the master can write values this "
+                "process will load; set UCM_PATCH_STORE_KEY or UCM_PATCH_STORE_KEY_FILE",
+                local_hostname,
+            )
         self.master = master
         self.quarantine_s = quarantine_s
         self._stats_lock = threading.Lock()
@@ -333,7 +360,8 @@ class MooncakeStore(KVStore):
         for _key, kb, payload in chunk:
             end = off + HEADER_SIZE + len(payload)
             buf.view[off + HEADER_SIZE : end] = payload
-            buf.view[off : off + HEADER_SIZE] = make_header(kb, buf.view[off + HEADER_SIZE : end])
+            body = buf.view[off + HEADER_SIZE : end]
+            buf.view[off : off + HEADER_SIZE] = make_header(kb, body, self._secret)
             ptrs.append(buf.addr + off)
             sizes.append(end - off)
             off = end
@@ -413,7 +441,7 @@ class MooncakeStore(KVStore):
     def _unframe(self, key: str, kb: bytes, framed: memoryview) -> bytes | None:
         """Checked payload copy, or None after removing a corrupt value."""
         try:
-            verify(kb, framed[:HEADER_SIZE], framed[HEADER_SIZE:])
+            verify(kb, framed[:HEADER_SIZE], framed[HEADER_SIZE:], self._secret)
         except CorruptValue as exc:
             rc = self._client.remove(key, True)
             log.warning("mooncake store: dropped corrupt value %r (%s); remove rc=%s", key, exc, rc)
