@@ -7,7 +7,12 @@ how a connector drives them.
 """
 
 from ucm_patch.hooks.dump.client import DumpClient
-from ucm_patch.hooks.dump.scheduler import DumpScheduler, get_scheduler, reset_scheduler
+from ucm_patch.hooks.dump.scheduler import (
+    DumpScheduler,
+    get_scheduler,
+    reset_scheduler,
+    shutdown_at_exit,
+)
 from ucm_patch.hooks.dump.types import Batch, DumpTask, FinishedDumps, Payload
 
 __all__ = [
@@ -19,4 +24,5 @@ __all__ = [
     "Payload",
     "get_scheduler",
     "reset_scheduler",
+    "shutdown_at_exit",
 ]

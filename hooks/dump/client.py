@@ -39,7 +39,7 @@ class DumpClient:
     Per step: ``open_batch``, then ``submit_layer`` / ``submit`` per row, then ``seal``;
     these three are the scheduler's own methods, bound here, so the per-layer path costs no
     extra call. Completion: ``get_finished``, ``handle_preemptions``,
-    ``needs_delayed_free``, ``has_pending``; ``close`` at connector shutdown.
+    ``needs_delayed_free``, ``has_pending``; ``flush`` and ``close`` at connector shutdown.
     """
 
     __slots__ = (
@@ -189,6 +189,17 @@ class DumpClient:
         }
 
     # -- shutdown ---------------------------------------------------------------------
+    def flush(self, timeout: float) -> bool:
+        """Seal this client's open batches and wait up to ``timeout`` seconds for their
+        dumps (connector shutdown: the last steps' KV gets stored unless the store hangs).
+        Returns False when some were still running."""
+        with self._lock:
+            self.seal_open_locked()
+            targets = list(self._reqs)
+        if not targets:
+            return True
+        return self.scheduler.wait_until(lambda: self._drained(targets), timeout)
+
     def close(self) -> None:
         """Forget this client (connector shutdown); its running dumps still finish."""
         with self._lock:

@@ -12,12 +12,19 @@ batches, the slots, the metrics and the event ledger's counters, and is never he
 waiting. Workers never wait for it: they hand finished tasks back on a deque, retired under
 ``_lock`` by whoever holds it next. ``_done_cv`` (taken before ``_lock``, never after)
 wakes threads waiting for dumps; ``_wake`` parks idle workers.
+
+Exit: dumps still in flight when the process exits get a bounded flush
+(:data:`EXIT_FLUSH_VAR`, default :data:`DEFAULT_EXIT_FLUSH_S` seconds, or the connector's
+``dump_exit_flush_s``) so a clean shutdown does not throw away the last steps' KV, and a
+hung store cannot hold the exit for longer than that; whatever is left is counted in
+``lost_dumps`` and logged once with the requests it belonged to.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import threading
 from collections import deque
@@ -40,9 +47,35 @@ from ucm_patch.hooks.dump.types import (
 )
 from ucm_patch.hooks.events import EventLedger, EventSource
 from ucm_patch.hooks.metrics import METRICS, DumpMetrics
+from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
 
 logger = logging.getLogger(__name__)
+
+#: Environment setting: seconds the exit flush waits for dumps in flight.
+EXIT_FLUSH_VAR = "UCM_PATCH_DUMP_EXIT_FLUSH_S"
+DEFAULT_EXIT_FLUSH_S = 10.0
+#: A failing store fails every row of every step: one warning per cause per this interval.
+FAILURE_LOG_INTERVAL_S = 60.0
+#: Most request ids named in the "lost at shutdown" line (the count is always exact).
+LOST_IDS_SHOWN = 32
+
+
+def exit_flush_seconds(env: dict[str, str] | None = None) -> float:
+    """The exit flush bound from :data:`EXIT_FLUSH_VAR` (unset or empty: the default).
+
+    Read when a scheduler is created, so a bad value fails at start, naming the variable."""
+    value = (os.environ if env is None else env).get(EXIT_FLUSH_VAR, "").strip()
+    if not value:
+        return DEFAULT_EXIT_FLUSH_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{EXIT_FLUSH_VAR}={value!r}: expected a finite number of seconds >= 0")
+    return seconds
+
 
 _SYNC = int(EventSource.DEVICE_SYNC)
 _EXTERNAL = int(EventSource.EXTERNAL)
@@ -127,6 +160,13 @@ class DumpScheduler:
         self.linger_s = linger_s
         self.poll_s = poll_s
         self._free: list[DumpTask] = [DumpTask() for _ in range(capacity)]
+        self._tasks = tuple(self._free)  # every slot, to name what is in flight at shutdown
+        #: Seconds the exit flush waits for dumps in flight (see :meth:`set_exit_flush`).
+        self.exit_flush_s = exit_flush_seconds()
+        self._exit_flush_set = False
+        #: Dumps cancelled or still running when :meth:`shutdown` gave up on them.
+        self.lost_dumps = 0
+        self._failure_log = RateLimitedLog(logger, FAILURE_LOG_INTERVAL_S)
         # Task hand-off: a deque (append/popleft are atomic, no syscall) plus a Condition
         # that only sleeping workers wait on. Waking a blocked thread costs a futex
         # syscall (more than the whole submit path), so submit wakes a worker only when
@@ -375,40 +415,82 @@ class DumpScheduler:
     def closed(self) -> bool:
         return self._closed
 
+    def set_exit_flush(self, seconds: float) -> None:
+        """A connector's ``dump_exit_flush_s``: overrides :data:`EXIT_FLUSH_VAR`; when
+        several connectors of the process set it, the longest wins (none is cut short)."""
+        with self._lock:
+            if self._exit_flush_set:
+                seconds = max(seconds, self.exit_flush_s)
+            self.exit_flush_s = float(seconds)
+            self._exit_flush_set = True
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no dump is queued or running."""
+        capacity = self.capacity
+        return self.wait_until(lambda: len(self._free) == capacity, timeout)
+
     # =================================================================================
     # Shutdown
     # =================================================================================
-    def shutdown(self, timeout: float = 5.0) -> bool:
-        """Stop: cancel queued dumps (counted, events released), let running ones finish.
+    def shutdown(self, timeout: float = 5.0, flush_s: float = 0.0) -> bool:
+        """Stop: wait up to ``flush_s`` for dumps in flight, then cancel queued dumps
+        (counted, events released) and give running ones ``timeout`` to finish.
 
-        Open batches are sealed so their requests can still be reported by
-        ``get_finished``. Returns False when a worker did not stop within ``timeout`` (it
-        is a daemon thread; its running task still releases its event when it ends).
+        Dumps cancelled or still running at the end are lost: counted in ``lost_dumps``
+        and logged once, with how many and whose. Open batches are sealed so their
+        requests can still be reported by ``get_finished``. Returns False when a worker
+        did not stop within ``timeout`` (it is a daemon thread; its running task still
+        releases its event when it ends).
         """
         with self._lock:
             if self._closed:
                 return not any(thread.is_alive() for thread in self._threads)
+        flushed = flush_s <= 0 or self.flush(flush_s)
+        with self._lock:
             self._closed = True
         with self._wake:
             self._wake.notify_all()
         with self._done_cv:
             self._done_cv.notify_all()
+        cancelled: list[DumpTask] = []
         while True:
             try:
                 task = self._dq.popleft()
             except IndexError:
                 break
             task.status = CANCELLED
-            self._done.append(task)
+            cancelled.append(task)
+        lost_ids = {rid for task in cancelled if task.batch for rid in task.batch.req_ids}
+        self._done.extend(cancelled)
         deadline = monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - monotonic()))
         with self._lock:
             self.retire_locked()
+            running = [task for task in self._tasks if task.batch is not None]
+            lost_ids.update(rid for task in running for rid in task.batch.req_ids)
+            lost = len(cancelled) + len(running)
+            self.lost_dumps += lost
             for client in self._clients:
                 client.seal_open_locked()
             self.device.close()  # under the ledger's lock: pool appends happen under it
+        if lost:
+            self._report_lost(lost, len(running), lost_ids, flush_s if not flushed else 0.0)
         return not any(thread.is_alive() for thread in self._threads)
+
+    def _report_lost(self, lost: int, running: int, req_ids: set[str], waited: float) -> None:
+        shown = sorted(req_ids)[:LOST_IDS_SHOWN]
+        more = f" and {len(req_ids) - len(shown)} more" if len(req_ids) > len(shown) else ""
+        logger.warning(
+            "dump scheduler shut down with %d dump(s) lost (%d still running, %d cancelled)%s;"
+            " their blocks are not stored, for request(s) %s%s",
+            lost,
+            running,
+            lost - running,
+            f" after a {waited:g} s flush" if waited else "",
+            shown,
+            more,
+        )
 
     # =================================================================================
     # Workers
@@ -428,11 +510,15 @@ class DumpScheduler:
             try:
                 status = self._run(task)
             except StoreError as exc:
-                logger.warning("dump of row %d failed in the store: %s", task.row, exc)
+                # A full disk fails every row of every step: one line per cause a minute.
+                why = "dump of row %d failed in the store: %s"
+                cause = (type(exc), getattr(exc, "errno", None))
+                self._failure_log.warning(cause, why, task.row, exc)
             except (RuntimeError, ValueError, TypeError) as exc:
                 # RuntimeError: device/event error (torch raises RuntimeError subclasses);
                 # ValueError/TypeError: the payload did not match the keys.
-                logger.warning("dump of row %d failed: %s: %s", task.row, type(exc).__name__, exc)
+                why = "dump of row %d failed: %s: %s"
+                self._failure_log.warning(type(exc), why, task.row, type(exc).__name__, exc)
             except Exception as exc:
                 # Thread boundary: a bug in a payload callable or a store must neither kill
                 # the worker (requests would never finish; blocks would leak) nor vanish.
@@ -632,19 +718,33 @@ def get_scheduler(**config: Any) -> DumpScheduler:
         _instance = inst
         _instance_pid = os.getpid()
         if not _atexit_registered:
-            atexit.register(_shutdown_at_exit)
+            atexit.register(shutdown_at_exit)
             _atexit_registered = True
         return inst
 
 
-def reset_scheduler(timeout: float = 5.0) -> None:
-    """Shut the singleton down and forget it (tests; connector shutdown)."""
+def reset_scheduler(timeout: float = 5.0, flush_s: float = 0.0) -> None:
+    """Shut the singleton down and forget it (tests; exit). ``flush_s``: see
+    :meth:`DumpScheduler.shutdown`."""
     global _instance
     with _singleton_lock:
         inst, _instance = _instance, None
     if inst is not None and _instance_pid == os.getpid():
-        inst.shutdown(timeout)
+        inst.shutdown(timeout, flush_s)
 
 
-def _shutdown_at_exit() -> None:
-    reset_scheduler(timeout=1.0)
+#: After the exit flush the join only lets idle workers go: a dump still running then is
+#: stuck in its store and is counted lost (the workers are daemon threads).
+EXIT_JOIN_S = 0.2
+
+
+def shutdown_at_exit() -> None:
+    """The exit flush, then shutdown (registered with ``atexit``; idempotent).
+
+    A component that closes stores at exit calls it first: ``atexit`` runs handlers in
+    reverse registration order, and a store closed before the flush would fail every dump
+    still in flight."""
+    with _singleton_lock:
+        inst = _instance
+    flush_s = inst.exit_flush_s if inst is not None else 0.0
+    reset_scheduler(timeout=EXIT_JOIN_S, flush_s=flush_s)

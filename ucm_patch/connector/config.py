@@ -95,6 +95,12 @@ CONNECTOR_KEYS: dict[str, tuple[Callable[[str, object], Any], Any, str]] = {
     "dump_queue_capacity": (_int_in(1, 1 << 20), 1024, "dumps in flight before back-pressure"),
     "dump_on_full": (_one_of(*ON_FULL), "skip", "queue full: skip the dump or wait briefly"),
     "dump_full_wait_s": (_seconds, 0.002, "longest wait for a queue slot (dump_on_full=wait)"),
+    "dump_exit_flush_s": (
+        _seconds,
+        None,
+        "longest wait for dumps in flight at connector shutdown and at process exit (then "
+        "they are counted lost); default: UCM_PATCH_DUMP_EXIT_FLUSH_S, else 10 s",
+    ),
     "blocking_finish": (
         _bool,
         False,
@@ -121,6 +127,7 @@ class ConnectorConfig:
     dump_queue_capacity: int = 1024
     dump_on_full: str = "skip"
     dump_full_wait_s: float = 0.002
+    dump_exit_flush_s: float | None = None
     blocking_finish: bool = False
     raw: dict[str, Any] = field(default_factory=dict)
 

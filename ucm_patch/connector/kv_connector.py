@@ -78,6 +78,11 @@ def shared_store(config: ConnectorConfig) -> KVStore:
 
 
 def _close_stores() -> None:
+    # Dumps in flight get their bounded exit flush before their store closes, whichever
+    # of the two exit handlers was registered first.
+    from ucm_patch.hooks.dump import shutdown_at_exit
+
+    shutdown_at_exit()
     with _stores_lock:
         stores = list(_stores.values())
         _stores.clear()

@@ -30,6 +30,10 @@ turn a wrapped layer into a silent pass-through with its KV not loaded. Layerwis
 loaded block ids go to ``get_block_ids_with_load_errors`` and vLLM
 (``kv_load_failure_policy="recompute"``) recomputes them. Async: the request is reported
 in ``failed_recving`` (vLLM 0.32) or its blocks as load errors (older vLLM).
+
+**Shutdown** is bounded by the dump scheduler's ``exit_flush_s`` (``dump_exit_flush_s``):
+the load threads are daemons (:mod:`ucm_patch.connector.load_threads`) and this
+connector's dumps get a bounded flush, so a hung store cannot hang vLLM's shutdown.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from functools import partial
+from time import monotonic
 from typing import Any
 
 import torch
@@ -46,6 +51,7 @@ import torch
 from ucm_patch.connector import counters as stats
 from ucm_patch.connector.config import ConnectorConfig
 from ucm_patch.connector.layout import KVLayout
+from ucm_patch.connector.load_threads import LoadThreads
 from ucm_patch.connector.meta import RequestLoad, UCMConnectorMetadata, UCMWorkerMetadata
 from ucm_patch.connector.rows import RowLoader
 from ucm_patch.hooks.dump import Batch, DumpScheduler, get_scheduler
@@ -123,7 +129,9 @@ class WorkerSide:
         self.views: list[torch.Tensor | None] = [None] * n
         # Bound once for the save hook (once per layer per step).
         self._save_row_of = layout.rows.save_row_of
-        self._pool = ThreadPoolExecutor(config.load_workers, thread_name_prefix="ucm-load")
+        if config.dump_exit_flush_s is not None:
+            self.sched.set_exit_flush(config.dump_exit_flush_s)
+        self._pool = LoadThreads(config.load_workers)
         #: layer -> wait_for_layer_load / save_kv_layer calls seen in this process. A layer
         #: missing from wait_calls has no load hook here (see start_load_kv).
         self.wait_calls: dict[str, int] = {}
@@ -491,7 +499,7 @@ class WorkerSide:
                 continue
             del self._async[rid]
             recving.add(rid)
-            exc = fut.exception()
+            exc = CancelledError() if fut.cancelled() else fut.exception()
             if exc is not None:
                 # Thread boundary: a bug in a load must fail the request (recompute),
                 # not leave it waiting forever.
@@ -542,8 +550,30 @@ class WorkerSide:
             "row_jobs": sum(len(jobs) for jobs in self._row_jobs),
         }
 
-    def shutdown(self) -> None:
-        """Stop the load threads and close this connector's dump client (the dump
-        scheduler is per process: it stops at exit; running dumps still finish)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self) -> bool:
+        """Stop the load threads and flush and close this connector's dump client, all
+        within the scheduler's ``exit_flush_s`` (``dump_exit_flush_s``).
+
+        vLLM calls it on the engine's way down: an unbounded wait (a hung store under a
+        load or a dump) would hang the shutdown. Queued loads are cancelled first (nothing
+        will consume them), then this client's dumps get the time left to finish, then the
+        load threads. Returns False when something was still running at the deadline: the
+        threads are daemons, so it cannot hold the process's exit either; dumps still in
+        flight are the dump scheduler's to count at exit.
+        """
+        bound = self.sched.exit_flush_s
+        deadline = monotonic() + bound
+        self._pool.shutdown(0.0)  # cancel queued loads, ask the threads to stop
+        self._close_dumps()
+        flushed = self.dumps.flush(max(0.0, deadline - monotonic()))
         self.dumps.close()
+        stopped = self._pool.shutdown(max(0.0, deadline - monotonic()))
+        if not (flushed and stopped):
+            logger.warning(
+                "ucm connector: shutdown after %g s with %s still running",
+                bound,
+                " and ".join(
+                    what for what, ok in (("dumps", flushed), ("a load", stopped)) if not ok
+                ),
+            )
+        return flushed and stopped
