@@ -84,6 +84,7 @@ class DumpMetrics:
         "dumps_cancelled",
         "dumps_completed",
         "dumps_failed",
+        "dumps_lost",
         "dumps_skipped",
         "dumps_store_full",
         "dumps_submitted",
@@ -108,6 +109,7 @@ class DumpMetrics:
         self.dumps_store_full = 0  # subset of failed: put_many returned False for a key
         self.dumps_skipped = 0  # never queued: no free slot (back-pressure) or shut down
         self.dumps_cancelled = 0  # queued, then dropped unrun by shutdown
+        self.dumps_lost = 0  # cancelled or still running when a shutdown flush ran out
         # Invariant: submitted == completed + failed + cancelled + queue_depth.
         self.bytes_written = 0
         self.queue_depth = 0  # tasks taken from the slot pool and not yet finished
@@ -195,6 +197,11 @@ class _Collector:
             ("dumps_store_full", "Dump tasks the store skipped as full", m.dumps_store_full),
             ("dumps_skipped", "Dumps never queued (back-pressure/shutdown)", m.dumps_skipped),
             ("dumps_cancelled", "Queued dumps dropped by shutdown", m.dumps_cancelled),
+            (
+                "dumps_lost",
+                "Dumps lost at shutdown (flush bound reached)",
+                m.dumps_lost,
+            ),
             ("dump_bytes", "Bytes of dump tasks that completed", m.bytes_written),
             ("dump_requests_finished", "Requests reported finished_sending", m.requests_finished),
             ("dump_requests_failed", "Reported requests with a failed dump", m.requests_failed),

@@ -471,6 +471,7 @@ class DumpScheduler:
             lost_ids.update(rid for task in running for rid in task.batch.req_ids)
             lost = len(cancelled) + len(running)
             self.lost_dumps += lost
+            self.metrics.dumps_lost += lost  # exported with the other dump metrics
             for client in self._clients:
                 client.seal_open_locked()
             self.device.close()  # under the ledger's lock: pool appends happen under it

@@ -312,6 +312,7 @@ def stats() -> dict[str, int]:
     out["dumps_completed"] = METRICS.dumps_completed
     out["dumps_failed"] = METRICS.dumps_failed
     out["dumps_skipped"] = METRICS.dumps_skipped
+    out["dumps_lost"] = METRICS.dumps_lost
     out["bytes_written"] = METRICS.bytes_written
     return out
 
