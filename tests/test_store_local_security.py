@@ -178,7 +178,6 @@ def test_key_file_and_bad_keys(tmp_path: Path, monkeypatch) -> None:
 
 def test_mooncake_warns_when_reachable_without_key(caplog, monkeypatch) -> None:
     """The warning is logged before setup, so no master is needed to see it."""
-    pytest.importorskip("mooncake.store")
     from ucm_patch.hooks.stores.mooncake import MooncakeStore, is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("[::1]")

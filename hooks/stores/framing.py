@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import stat
 import struct
@@ -110,8 +111,6 @@ def load_store_key(env: dict[str, str] | None = None) -> bytes | None:
         except OSError as exc:
             raise ValueError(f"{where}: cannot read the key file: {exc}") from exc
         if stat.S_IMODE(mode) & 0o077:
-            import logging
-
             logging.getLogger(__name__).warning(
                 "%s: key file is readable by group/others (mode %o); use chmod 600",
                 where,
