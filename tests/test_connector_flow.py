@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm.v1.core.block_pool import BlockPool
 
-from tests.support.connector_harness import (
+from tests.support.connector_harness import (  # store_fixture: the ``store`` fixture
     BS,
     LAYERS,
     NUM_BLOCKS,
@@ -26,8 +24,8 @@ from tests.support.connector_harness import (
     Harness,
     Req,
     blocks,
-    local_store,
     new_req,
+    store_fixture,  # noqa: F401
 )
 from tests.support.connector_harness import sched_output as so
 from ucm_patch import connector
@@ -37,13 +35,6 @@ from ucm_patch.hooks.stores.base import StoreError
 TOKENS = list(range(100, 113))  # 13 tokens: 3 full blocks of 4 + 1
 WAIT_S = 30.0  # generous: other test processes may load the 2 cores
 Store = ControlledLocalStore
-
-
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ControlledLocalStore]:
-    """The real local store every connector in this test uses."""
-    with local_store(monkeypatch, tmp_path / "store") as real:
-        yield real
 
 
 def compute_pages(h: Harness, block_ids: list[int], seed: int) -> dict[tuple[int, int], bytes]:

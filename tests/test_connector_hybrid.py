@@ -10,19 +10,15 @@ row (both layers alias) carries both kinds of page.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
-from tests.support.connector_harness import (
+from tests.support.connector_harness import (  # store_fixture: the ``store`` fixture
     ControlledLocalStore,
     Harness,
     Req,
     blocks,
-    local_store,
     new_req,
+    store_fixture,  # noqa: F401
     vllm_config,
 )
 from tests.support.connector_harness import sched_output as so
@@ -35,13 +31,6 @@ GDN, ATTN = 0, 1  # group indices
 TOKENS = list(range(300, 317))  # 17 tokens: two units of 8 + 1
 WAIT_S = 30.0
 Store = ControlledLocalStore
-
-
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ControlledLocalStore]:
-    """The real local store every connector in this test uses."""
-    with local_store(monkeypatch, tmp_path / "store") as real:
-        yield real
 
 
 def harness() -> Harness:

@@ -12,18 +12,16 @@ step completes, the affected blocks are reported, the exception is counted in
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.support.connector_harness import (
+from tests.support.connector_harness import (  # store_fixture: the ``store`` fixture
     ControlledLocalStore,
     Harness,
     Req,
     blocks,
-    local_store,
     new_req,
+    store_fixture,  # noqa: F401
 )
 from tests.support.connector_harness import sched_output as so
 from tests.test_connector_flow import TOKENS, _async_load, prefill
@@ -32,12 +30,6 @@ from ucm_patch.connector import UCMPatchConnector
 from ucm_patch.connector.rows import RowLoader
 
 LOGGER = "ucm_patch.connector.worker_side"
-
-
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ControlledLocalStore]:
-    with local_store(monkeypatch, tmp_path / "store") as real:
-        yield real
 
 
 def _raise_runtime_error(_keys: object) -> list[bytes | None]:

@@ -11,8 +11,6 @@ every request (like a P/D sender) and reports two steps after it learns of the f
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,13 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
-from tests.support.connector_harness import (
+from tests.support.connector_harness import (  # store_fixture: the ``store`` fixture
     ControlledLocalStore,
     Harness,
     Req,
     blocks,
-    local_store,
     new_req,
+    store_fixture,  # noqa: F401
     vllm_config,
 )
 from tests.support.connector_harness import sched_output as so
@@ -37,13 +35,6 @@ from ucm_patch import connector
 
 TOKENS = list(range(100, 113))  # 3 full blocks + 1 token
 WAIT_S = 30.0
-
-
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ControlledLocalStore]:
-    """The real local store every connector in this test uses."""
-    with local_store(monkeypatch, tmp_path / "store") as real:
-        yield real
 
 
 class _Meta(KVConnectorMetadata):

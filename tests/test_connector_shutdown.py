@@ -18,18 +18,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import REPO, repo_pythonpath
-from tests.support.connector_harness import (
+from tests.support.connector_harness import (  # store_fixture: the ``store`` fixture
     ControlledLocalStore,
     Harness,
     Req,
     blocks,
-    local_store,
+    store_fixture,  # noqa: F401
 )
 from tests.support.connector_harness import sched_output as so
 from tests.support.exit_flush_child import REQUEST, SlowLocalStore
@@ -45,12 +44,6 @@ BOUND_S = 0.5  # the flush / shutdown bound the tests set
 MARGIN_S = 2.5
 FLUSH_MARGIN_S = 0.3  # the exit flush alone, measured inside the child
 SCHED_LOGGER = "ucm_patch.hooks.dump.scheduler"
-
-
-@pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ControlledLocalStore]:
-    with local_store(monkeypatch, tmp_path / "store") as real:
-        yield real
 
 
 # -- the dump scheduler's shutdown ------------------------------------------------------

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -305,6 +306,14 @@ class ControlledLocalStore(LocalStore):
         for path in self.files():
             os.unlink(path)
             self._forget(path.name)
+
+
+@pytest.fixture(name="store")
+def store_fixture(monkeypatch: Any, tmp_path: Path) -> Iterator[ControlledLocalStore]:
+    """The real local store every UCMPatchConnector in the test uses (fixture ``store``;
+    a test module imports ``store_fixture`` to get it)."""
+    with local_store(monkeypatch, tmp_path / "store") as real:
+        yield real
 
 
 @contextmanager
