@@ -194,3 +194,20 @@ def test_mooncake_warns_when_reachable_without_key(caplog, monkeypatch) -> None:
         messages.append([r.getMessage() for r in caplog.records if "no store key" in r.message])
     assert len(messages[0]) == 1 and "10.0.0.5" in messages[0][0]
     assert messages[1] == [] and messages[2] == []
+
+
+def test_key_file_readable_by_others_is_warned(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A key file group/others can read still works, but says so once, naming the file."""
+    key_file = tmp_path / "key"
+    key_file.write_text(SECRET)
+    key_file.chmod(0o644)
+    monkeypatch.setenv(KEY_FILE_ENV, str(key_file))
+    with caplog.at_level(logging.WARNING, logger="ucm_patch.hooks.stores.framing"):
+        assert load_store_key() == SECRET.encode()
+    warned = [r.getMessage() for r in caplog.records if "readable by group/others" in r.message]
+    assert len(warned) == 1 and str(key_file) in warned[0] and "644" in warned[0]
+    key_file.chmod(0o600)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ucm_patch.hooks.stores.framing"):
+        assert load_store_key() == SECRET.encode()
+    assert not caplog.records
