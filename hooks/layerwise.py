@@ -227,6 +227,10 @@ class LayerSite:
     is passed in (``kv_index < 0``: the layer's ``kv_cache``). ``stage``: which element of
     it belongs to this step (:data:`STAGE_NONE`, :data:`STAGE_VIRTUAL_ENGINE`,
     :data:`STAGE_FIRST`).
+
+    ``wait`` / ``save``: which half of the bracket this site adds. Both by default; a site
+    where upstream already makes one of the calls natively (vLLM-Ascend main waits in
+    its GDN core itself) adds only the other, so the connector never sees it twice.
     """
 
     layer: str = LAYER_IS_INSTANCE
@@ -238,6 +242,8 @@ class LayerSite:
     kv_index: int = -1
     kv_key: str = "kv_cache"
     stage: str = STAGE_NONE
+    wait: bool = True
+    save: bool = True
 
     def __post_init__(self) -> None:
         layers = (LAYER_IS_INSTANCE, LAYER_ARGUMENT, LAYER_NAME_ARGUMENT)
@@ -248,6 +254,13 @@ class LayerSite:
         stages = (STAGE_NONE, STAGE_VIRTUAL_ENGINE, STAGE_FIRST)
         if self.stage not in stages:
             raise ValueError(f"LayerSite.stage={self.stage!r}; expected one of {stages}")
+        if not (self.wait or self.save):
+            raise ValueError("LayerSite: wait=False and save=False leave nothing to add")
+
+
+def site_for_hooks(hooks: tuple[str, ...]) -> dict[str, bool]:
+    """``LayerSite`` keywords for a record's ``hooks`` (``("save",)`` -> wait=False)."""
+    return {"wait": "wait" in hooks, "save": "save" in hooks}
 
 
 def layer_bracket(site: LayerSite) -> Wrapper:
@@ -273,6 +286,7 @@ def layer_bracket(site: LayerSite) -> Wrapper:
     by_name = layer_from == LAYER_NAME_ARGUMENT
     kv_passed = kv_index >= 0
     per_engine, first = site.stage == STAGE_VIRTUAL_ENGINE, site.stage == STAGE_FIRST
+    do_wait, do_save = site.wait, site.save
 
     def layer_wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -314,11 +328,14 @@ def layer_bracket(site: LayerSite) -> Wrapper:
             return wrapped(*args, **kwargs)
         inside.add(layer_name)
         try:
-            counts["wait"] += 1
-            conn.wait_for_layer_load(layer_name)
+            if do_wait:
+                counts["wait"] += 1
+                conn.wait_for_layer_load(layer_name)
             result = wrapped(*args, **kwargs)
         finally:
             inside.discard(layer_name)
+        if not do_save:
+            return result
         if kv_passed:
             kv_cache = args[kv_index] if len(args) > kv_index else kwargs[kv_key]
         elif layer is None:

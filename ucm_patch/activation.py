@@ -62,6 +62,10 @@ def activate(
     if strict is None:
         strict = env_flag("UCM_PATCH_STRICT", env)
     debug = env_flag("UCM_PATCH_DEBUG", env)
+    # Note kernel registrations from now on, for native-hook detection (ucm_patch.native).
+    from ucm_patch import kernel_ledger
+
+    kernel_ledger.watch()
     report_dir = env.get("UCM_PATCH_REPORT_DIR", "").strip()
     if report_dir and reg.on_event is None:
         reg.on_event = _jsonl_sink(report_dir)

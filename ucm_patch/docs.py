@@ -32,18 +32,36 @@ def _requires(rec: PatchRecord) -> str:
     return ", ".join(f"`{d} {s}`" for d, s in rec.requires.items())
 
 
+def _ceiling(rec: PatchRecord) -> str:
+    if rec.retired:
+        return "retired: " + ", ".join(f"`{d} <{c}`" for d, c in rec.ceiling.items())
+    return ", ".join(f"`{d} <{c}`" if c else f"`{d}` none" for d, c in rec.ceiling.items())
+
+
+def _hooks(rec: PatchRecord) -> str:
+    return " + ".join(rec.hooks) or "-"
+
+
 def _summary(records: list[PatchRecord]) -> list[str]:
     lines = [
         "## Summary",
         "",
-        "| patch | era | kind | target | requires | default |",
-        "|---|---|---|---|---|---|",
+        "The **ceiling** is the first minor after the newest release a record was verified "
+        "on. On a newer release the newest era of a patch is `untested-version` (off) unless "
+        "`UCM_PATCH_ALLOW_UNTESTED=1` (or `allow_untested` in the config file) allows it; it "
+        "then still has to pass its signature check and native-hook detection. **Hooks** are "
+        "the connector calls a layer record adds; where upstream already makes all of them "
+        "the record stands down as `native`.",
+        "",
+        "| patch | era | kind | target | requires | ceiling | hooks | default |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         target = f"`{r.target}`" + (f" (op `{r.op}`)" if r.op else "")
         default = "on" if r.default else "off"
         lines.append(
-            f"| `{r.name}` | `{r.era}` | {r.kind.value} | {target} | {_requires(r)} | {default} |"
+            f"| `{r.name}` | `{r.era}` | {r.kind.value} | {target} | {_requires(r)} "
+            f"| {_ceiling(r)} | {_hooks(r)} | {default} |"
         )
     return lines
 
@@ -55,10 +73,13 @@ def _details(records: list[PatchRecord]) -> list[str]:
             f"### `{r.id}`",
             "",
             f"- **Target:** `{r.target}`" + (f", kernel of op `{r.op}`" if r.op else ""),
-            f"- **Applies to:** {_requires(r)}",
+            f"- **Applies to:** {_requires(r)} (ceiling {_ceiling(r)})",
+            f"- **Hooks added:** {_hooks(r)}"
+            + (f"; native-hook detection also reads {', '.join(r.callers)}" if r.callers else ""),
             f"- **Default:** {'on' if r.default else 'off'}"
             + (" (target may be absent in range)" if r.optional else ""),
             f"- **Why:** {_escape(r.why)}",
+            *([f"- **Retired:** {_escape(r.retired)}"] if r.retired else []),
             f"- **Upstream:** {_escape(r.upstream)}",
             f"- **Remove when:** {_escape(r.removal)}",
             "",

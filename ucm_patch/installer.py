@@ -4,7 +4,11 @@ The registry (:mod:`ucm_patch.registry`) decides *whether* and *when* a record i
 and keeps its state; this module does the work on the imported target module:
 
 * **install** (:func:`install`): resolve the target, refuse one that already carries the
-  record's marker, build the wrapper (an exact-signature trampoline for a plain function,
+  record's marker, check the live signature against the record's ``leading`` parameters
+  (:class:`SignatureChanged`: a wrapper must never misread its arguments), ask
+  :mod:`ucm_patch.native` which of the record's hooks upstream already makes (all of them:
+  :class:`NativeHooks`, the record stands down; some: the wrapper adds the rest), build the
+  wrapper (an exact-signature trampoline for a plain function,
   :mod:`ucm_patch.trampoline`; a wrapt ``FunctionWrapper`` for anything else; both run the
   call-time guard of :mod:`ucm_patch.guard`), mark it, override the op kernel for an
   ``op-kernel`` record, and set it on the parent.
@@ -21,7 +25,8 @@ import importlib
 import warnings
 from collections.abc import Callable
 
-from ucm_patch import guard, trampoline
+from ucm_patch import guard, native, trampoline
+from ucm_patch.expect import leading_params
 from ucm_patch.records import Kind, PatchRecord
 from ucm_patch.typing_guard import TYPE_CHECKING
 
@@ -31,13 +36,24 @@ if TYPE_CHECKING:
 MARKER = "_self_ucm_patch_id"  # wrapt keeps `_self_*` attributes on the proxy itself
 
 
+class SignatureChanged(Exception):
+    """The live target's parameters differ from the ones the record's wrapper reads."""
+
+
+class NativeHooks(Exception):
+    """The target already makes every connector call the record would add."""
+
+
 class Applied:
-    """What a revert needs: where the wrapper went and what it replaced."""
+    """What a revert needs: where the wrapper went and what it replaced (and, for the
+    status, which hooks it adds and what native calls it found)."""
 
     __slots__ = (
         "attribute",
         "cell",
+        "hooks",
         "library",
+        "native",
         "original",
         "owned_attribute",
         "parent",
@@ -53,6 +69,8 @@ class Applied:
         owned_attribute: bool,
         library: Any = None,
         cell: Any = None,
+        hooks: tuple[str, ...] = (),
+        native: str = "",
     ) -> None:
         self.parent = parent
         self.attribute = attribute
@@ -63,6 +81,8 @@ class Applied:
         self.owned_attribute = owned_attribute
         self.library = library  # torch.library.Library holding an op-kernel override
         self.cell = cell  # guard.CallCell; set broken on revert for stray references
+        self.hooks = hooks  # the connector calls this wrapper adds
+        self.native = native  # what upstream already does around the target ("" if none)
 
 
 def static_get(parent: Any, attribute: str) -> Any:
@@ -130,8 +150,21 @@ def install(
     if is_ours(original, record.id):
         # Another registry instance (or a reloaded ucm_patch) already wrapped it.
         return None, f"{record.target} already carries this patch; not wrapped twice"
+    check_signature(record, original)
+    hooks, found = record.hooks, ""
+    if hooks:
+        finding = native.detect(record, module, original)
+        found = finding.describe(hooks)
+        missing = finding.missing(hooks)
+        if not missing:
+            raise NativeHooks(f"upstream already calls the connector here ({found})")
+        hooks = missing
     owned = not isinstance(parent, type) or attribute in vars(parent)
-    patch_wrapper = record.make_wrapper()
+    # A factory is asked for a subset only when upstream makes the other calls: every
+    # layer-record factory accepts ``hooks``; the others keep their plain signature.
+    patch_wrapper = (
+        record.make_wrapper(hooks=hooks) if hooks != record.hooks else record.make_wrapper()
+    )
     method = isinstance(parent, type)
     cell = None
     if not guard.guardable(original):
@@ -157,7 +190,39 @@ def install(
     if record.kind is Kind.OP_KERNEL:
         library = _override_kernel(record, wrapper)
     setattr(parent, attribute, wrapper)
-    return Applied(parent, attribute, original, wrapper, owned, library, cell), None
+    applied = Applied(parent, attribute, original, wrapper, owned, library, cell, hooks, found)
+    return applied, None
+
+
+def live_params(original: Any) -> tuple[str, ...] | None:
+    """Parameter names of the live target (through ``__wrapped__``), None if unreadable."""
+    import inspect  # apply time only
+
+    fn = getattr(original, "__func__", original)  # staticmethod / classmethod in __dict__
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_signature(record: PatchRecord, original: Any) -> None:
+    """Raise :class:`SignatureChanged` unless the live target has the parameters the
+    record's wrapper reads: its ``leading`` check (a prefix) and any ``signature`` check
+    on the target itself (exact), the same facts ``ucm_patch.verify`` checks in source."""
+    expected = leading_params(record.expect)
+    exact = False
+    for check in record.expect:
+        if check.kind == "signature" and check.args[0] == record.target:
+            expected, exact = tuple(check.args[1]), True
+    if expected is None:
+        return
+    found = live_params(original)
+    if found is None or (found != expected if exact else found[: len(expected)] != expected):
+        want = f"({', '.join(expected)})" if exact else f"({', '.join(expected)}, ...)"
+        shown = "unreadable" if found is None else f"({', '.join(found)})"
+        raise SignatureChanged(
+            f"signature changed: expected {want}, found {shown} on {record.target}"
+        )
 
 
 def _override_kernel(record: PatchRecord, kernel: Any) -> Any:

@@ -59,6 +59,10 @@ class Tag(str):
         return str.__str__(self)
 
 
+# The connector calls a layer hook adds (PatchRecord.hooks), in the order they run.
+HOOKS = ("wait", "save")
+
+
 class Kind:
     WRAP = Tag("wrap")
     OP_KERNEL = Tag("op_kernel")
@@ -94,6 +98,20 @@ class PatchRecord:
             ``enabled_callable()``, as ``layerwise.idle`` does).
         expect: what the record relies on in its target library's source
             (:class:`ucm_patch.expect.Check`), verified against every supported release.
+        hooks: the connector calls the wrapper adds (``("wait", "save")`` for a layer
+            bracket, ``("wait",)`` for a wait-only patch; empty for anything that is not
+            a layer hook). At apply time :mod:`ucm_patch.native` looks for the same calls
+            in the target and in ``callers``: a record whose every hook upstream already
+            makes stands down (state ``native``); one that finds only some is built with
+            ``make_wrapper(hooks=<the missing ones>)``.
+        retired: set when the range ends because upstream fixed the problem itself from
+            that version on (names it and the PR): the upper bound is then a retirement,
+            not a ceiling, and a newer release skips the record instead of reporting it
+            ``untested-version``.
+        callers: code that runs the target and could bracket it itself, checked with the
+            target by the native-hook detection: ``"module:qualname"`` (a function or
+            method) or ``"namespace::op"`` (the kernel registered for that op, as
+            recorded when it was registered, else its module attribute).
 
     A plain class rather than a dataclass: ``dataclasses`` imports ``inspect``, and
     records are built on ``import ucm_patch`` (30 ms budget). Specifiers are parsed
@@ -102,10 +120,12 @@ class PatchRecord:
 
     __slots__ = (
         "_specifiers",
+        "callers",
         "default",
         "dispatch_key",
         "era",
         "expect",
+        "hooks",
         "kind",
         "make_wrapper",
         "name",
@@ -113,6 +133,7 @@ class PatchRecord:
         "optional",
         "removal",
         "requires",
+        "retired",
         "skip_when",
         "supersedes",
         "target",
@@ -138,6 +159,9 @@ class PatchRecord:
         skip_when: Callable[[], bool] | None = None,
         supersedes: tuple[str, ...] = (),
         expect: tuple[Check, ...] = (),
+        hooks: tuple[str, ...] = (),
+        callers: tuple[str, ...] = (),
+        retired: str = "",
     ) -> None:
         self.name = name
         self.era = era
@@ -155,6 +179,9 @@ class PatchRecord:
         self.skip_when = skip_when
         self.supersedes = tuple(supersedes)
         self.expect = tuple(expect)
+        self.hooks = tuple(hooks)
+        self.callers = tuple(callers)
+        self.retired = retired
         self._specifiers: dict[str, SpecifierSet] | None = None
         where = f"patch record {name!r} (era {era!r})"
         if not name.isidentifier() or name.lower() != name:
@@ -166,6 +193,9 @@ class PatchRecord:
             )
         if not self.requires:
             raise ValueError(f"{where}: requires must name at least one distribution")
+        bad_hooks = [h for h in self.hooks if h not in HOOKS]
+        if bad_hooks or len(set(self.hooks)) != len(self.hooks):
+            raise ValueError(f"{where}: hooks={self.hooks!r}; each one of {HOOKS}, once")
         if kind is Kind.OP_KERNEL and not (op and dispatch_key):
             raise ValueError(f"{where}: an op-kernel record needs op and dispatch_key")
 
@@ -190,6 +220,17 @@ class PatchRecord:
             self._specifiers = specs
         return self._specifiers
 
+    @property
+    def ceiling(self) -> dict[str, str | None]:
+        """Per distribution, the exclusive upper bound of ``requires`` (``"0.34"`` for
+        ``<0.34``): the first minor after the newest release the record was verified on.
+        None where a range is open-ended (tests/test_ceilings.py forbids that)."""
+        out: dict[str, str | None] = {}
+        for dist, spec in self.specifiers.items():
+            bounds = [s.version for s in spec if s.operator == "<"]
+            out[dist] = min(bounds, key=_version_key) if bounds else None
+        return out
+
     def validate(self) -> None:
         """Parse everything that is parsed lazily (tests call this for every record)."""
         _ = self.specifiers
@@ -205,6 +246,12 @@ class PatchRecord:
     @property
     def qualname(self) -> str:
         return self.target.partition(":")[2]
+
+
+def _version_key(text: str) -> Any:
+    from packaging.version import Version
+
+    return Version(text)
 
 
 class PatchSet(namedtuple("PatchSet", ("name", "library", "description", "records"))):

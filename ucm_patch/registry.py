@@ -5,10 +5,21 @@ Life of a record, per process::
     activate() ── version gate ── toggle ──> waiting-for-import
                      │                │            │ post-import hook (at once if imported)
                      v                v            v
-              skipped-version      disabled     applied | target-missing | failed
+              skipped-version      disabled     signature check ── failed ("signature changed")
+              untested-version                     │ native-hook detection ── native
+                                                   v
+                                     applied | target-missing | failed
                                                    │ revert()
                                                    v
                                                 reverted (or revert-refused)
+
+``untested-version``: the installed version is past the ceiling (the exclusive upper
+bound) of the patch's newest era, i.e. newer than any release the record was verified on.
+Off by default; ``UCM_PATCH_ALLOW_UNTESTED=1`` (or a list of patch names, or
+``allow_untested = true`` for a patch in the config file) lets the newest era apply, and it
+then still has to pass the signature check and the native-hook detection.
+``native``: upstream already makes every connector call the record would add
+(:mod:`ucm_patch.native`); the record stands down and says what it found.
 
 Guarantees (each has a test in tests/test_registry_*.py):
 
@@ -55,6 +66,8 @@ class State:
     WAITING = Tag("waiting-for-import")
     APPLYING = Tag("applying")  # transient: a hook is applying it right now
     SKIPPED_VERSION = Tag("skipped-version")
+    UNTESTED = Tag("untested-version")  # newer than the newest verified release
+    NATIVE = Tag("native")  # upstream already calls the connector here
     DISABLED = Tag("disabled")
     TARGET_MISSING = Tag("target-missing")
     FAILED = Tag("failed")
@@ -76,6 +89,9 @@ class RecordStatus:
         self.applied: installer.Applied | None = None
         self.hooked = False  # a post-import hook is registered for this activation
         self.warned = False  # the call-time failure WARNING was logged
+        self.newest = False  # the newest era of its patch (may apply past its ceiling)
+        self.allow_untested = ""  # who allowed it past the ceiling ("" = nobody)
+        self.past = ""  # why it applies past its ceiling (allowed), for the report
 
     def as_dict(self) -> dict[str, Any]:
         r = self.record
@@ -87,6 +103,7 @@ class RecordStatus:
             "target": r.target,
             "op": r.op,
             "requires": dict(r.requires),
+            "ceiling": {d: f"<{c}" if c else "none" for d, c in r.ceiling.items()},
             "installed": dict(self.versions),
             "default": r.default,
             "state": self.state.value,
@@ -111,6 +128,7 @@ class Registry:
             if rec.id in self._status:
                 raise ValueError(f"duplicate patch record id {rec.id!r}")
             self._status[rec.id] = RecordStatus(rec)
+        _mark_newest(self._status.values())
         self.strict = False
         self.debug = False
         self.active = False
@@ -157,6 +175,7 @@ class Registry:
             self.active = True
             for st, decision in decisions:
                 st.toggle = decision.source
+                st.allow_untested = resolver.allow_untested(st.record.name)
                 if st.applied is not None or st.state is State.APPLYING:
                     # installed (possibly failed at call time and now a pass-through)
                     if not decision.enabled:
@@ -183,12 +202,27 @@ class Registry:
             ]
             versions = self._versions
         for st in todo:
-            shown, reason = _gate(st.record, versions)  # may read metadata: outside the lock
+            # may read metadata: outside the lock
+            shown, reason, past = _gate(st.record, versions, st.newest and not st.record.retired)
             with self._lock:
                 if st.gated:
                     continue
                 st.gated, st.versions = True, shown
-                if reason and st.state is State.WAITING:
+                if st.state is not State.WAITING:
+                    continue
+                if past and not st.allow_untested:
+                    st.state, st.reason = (
+                        State.UNTESTED,
+                        (
+                            f"{past}; off by default: UCM_PATCH_ALLOW_UNTESTED=1 (or "
+                            "allow_untested in the config file) applies it once its "
+                            "signature and native-hook checks pass"
+                        ),
+                    )
+                elif past:
+                    st.past = f"{past}; allowed by {st.allow_untested}"
+                    st.reason = st.past
+                elif reason:
                     st.state, st.reason = State.SKIPPED_VERSION, reason
         if todo:
             self._apply_supersedes()
@@ -265,6 +299,18 @@ class Registry:
             applied, missing = installer.install(
                 st.record, module, lambda exc: self._call_failed(st, exc), lambda: self.strict
             )
+        except installer.NativeHooks as exc:
+            with self._lock:
+                st.state, st.reason = State.NATIVE, str(exc)
+            self._emit(st)
+            return
+        except installer.SignatureChanged as exc:
+            with self._lock:
+                st.state, st.reason = State.FAILED, str(exc)
+            self._emit(st)
+            if strict:
+                raise PatchFailed(f"{record_id}: {exc}") from exc
+            return
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             with self._lock:
@@ -278,7 +324,8 @@ class Registry:
                 state = State.TARGET_MISSING if st.record.optional else State.FAILED
                 st.state, st.reason = state, missing or "target not found"
             else:
-                st.state, st.reason, st.applied = State.APPLIED, "", applied
+                st.state, st.applied = State.APPLIED, applied
+                st.reason = _applied_reason(st, applied)
         self._emit(st)
         if applied is None and strict and not st.record.optional:
             raise PatchFailed(f"{record_id}: {missing}")
@@ -339,22 +386,75 @@ def _fork_safe(registry: Registry) -> None:
     )
 
 
-def _gate(record: PatchRecord, versions: VersionCache) -> tuple[dict[str, str], str | None]:
-    """(installed versions shown in the report, reason to skip or None)."""
+def _mark_newest(statuses: Iterable[RecordStatus]) -> None:
+    """Mark, per patch name, the records whose ceilings are the highest for every
+    distribution they require: the eras that may apply past the ceiling when allowed."""
+    top: dict[tuple[str, str], Any] = {}
+    statuses = list(statuses)
+    for st in statuses:
+        for dist, ceiling in st.record.ceiling.items():
+            key = (st.record.name, dist)
+            value = _ceiling_key(ceiling)
+            if key not in top or value > top[key]:
+                top[key] = value
+    for st in statuses:
+        st.newest = all(
+            _ceiling_key(c) == top[(st.record.name, d)] for d, c in st.record.ceiling.items()
+        )
+
+
+def _ceiling_key(ceiling: str | None) -> Any:
+    from packaging.version import Version
+
+    return Version(ceiling) if ceiling else Version("999999")
+
+
+def _applied_reason(st: RecordStatus, applied: installer.Applied) -> str:
+    notes = [st.past] if st.past else []
+    if applied.hooks != st.record.hooks:
+        notes.append(f"adds {' and '.join(applied.hooks)} only; native {applied.native}")
+    return "; ".join(notes)
+
+
+def _gate(
+    record: PatchRecord, versions: VersionCache, newest: bool
+) -> tuple[dict[str, str], str | None, str | None]:
+    """(installed versions shown in the report, reason to skip or None, why the installed
+    version is past the record's ceiling or None).
+
+    "Past the ceiling" (above the exclusive upper bound, inside every lower bound) is
+    reported apart from any other mismatch so the registry can tell "newer than anything
+    verified" from "another era's range"; when it is the only mismatch, ``reason`` is
+    None and the registry decides (untested-version unless allowed). Only the newest era
+    of a patch (``newest``) can be past its ceiling: an older era's upper bound is where
+    the next era starts.
+    """
+    from packaging.specifiers import SpecifierSet
+
     shown: dict[str, str] = {}
-    reason: str | None = None
+    reasons: list[str] = []
+    past: list[str] = []
     for dist, spec in record.specifiers.items():
         found: InstalledVersion | None = versions.get(dist)
         if found is None:
             shown[dist] = "not installed"
-            reason = reason or f"{dist} is not installed"
+            reasons.append(f"{dist} is not installed")
             continue
         shown[dist] = str(found)
-        if not spec.contains(found.effective, prereleases=True):
-            reason = reason or (
-                f"{dist} {found} ({found.source}) is outside the required range {spec}"
+        if spec.contains(found.effective, prereleases=True):
+            continue
+        ceiling = record.ceiling.get(dist)
+        floor = SpecifierSet(",".join(str(s) for s in spec if s.operator != "<"))
+        if newest and ceiling and floor.contains(found.effective, prereleases=True):
+            past.append(
+                f"{dist} {found} ({found.source}) is past the ceiling <{ceiling}: newer than "
+                "any release this record was verified on"
             )
-    return shown, reason
+        else:
+            reasons.append(f"{dist} {found} ({found.source}) is outside the required range {spec}")
+    if reasons:
+        return shown, reasons[0], None
+    return shown, None, "; ".join(past) or None
 
 
 def _shown(versions: Mapping[str, str]) -> str:

@@ -6,11 +6,15 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-COLUMNS = ("id", "state", "target", "requires", "installed", "reason")
+COLUMNS = ("id", "state", "target", "requires", "ceiling", "installed", "reason")
 
 
 def _requires(row: dict[str, Any]) -> str:
     return " ".join(f"{d}{s}" for d, s in row["requires"].items())
+
+
+def _ceiling(row: dict[str, Any]) -> str:
+    return " ".join(f"{d}{c}" for d, c in row.get("ceiling", {}).items()) or "-"
 
 
 def _installed(row: dict[str, Any]) -> str:
@@ -25,6 +29,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             r["state"],
             r["target"] + (f" [op {r['op']}]" if r.get("op") else ""),
             _requires(r),
+            _ceiling(r),
             _installed(r),
             r["reason"] or (f"toggle: {r['toggle']}" if r["toggle"] else ""),
         )

@@ -22,6 +22,16 @@ The config file may scope a toggle to versions::
 A rule whose ``when`` does not match the installed versions makes no decision: the
 default applies. ``UCM_PATCH=0`` switches the whole package off.
 
+Past the ceiling. A patch's newest era stays off (``untested-version``) on a release newer
+than any it was verified on, unless allowed: ``UCM_PATCH_ALLOW_UNTESTED=1`` (every patch)
+or ``=gdn_layerwise,kv_ready_event`` (those), or in the file::
+
+    [patches]
+    gdn_layerwise = { allow_untested = true }      # `enabled` may be left out here
+
+The environment wins over the file; either way the record must still pass its signature
+check and native-hook detection when it applies.
+
 Every bad input is a :class:`~ucm_patch.errors.ConfigError` naming the variable or key,
 the value, and what is accepted. Nothing is silently ignored: an unknown
 ``UCM_PATCH_*`` variable or an unknown patch name in the file is an error too.
@@ -47,6 +57,8 @@ TRUE_WORDS = frozenset({"1", "true", "on", "yes"})
 FALSE_WORDS = frozenset({"0", "false", "off", "no"})
 ACCEPTED_BOOL = "1/0, true/false, on/off, yes/no"
 
+ALLOW_UNTESTED_VAR = "UCM_PATCH_ALLOW_UNTESTED"
+
 # UCM_PATCH_* variables that are settings, not patch toggles.
 SETTING_VARS = frozenset(
     {
@@ -59,6 +71,7 @@ SETTING_VARS = frozenset(
         "UCM_PATCH_DUMP_EXIT_FLUSH_S",  # hooks.dump.scheduler: exit flush bound, seconds
         "UCM_PATCH_STORE_KEY",  # hooks.stores.framing: integrity key for stored values
         "UCM_PATCH_STORE_KEY_FILE",  # hooks.stores.framing: file holding that key
+        ALLOW_UNTESTED_VAR,  # registry: newest eras apply past their ceiling
     }
 )
 
@@ -86,9 +99,10 @@ def env_var_for(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-class Rule(namedtuple("Rule", ("enabled", "when", "where"))):
+class Rule(namedtuple("Rule", ("enabled", "when", "where", "allow_untested"), defaults=(None,))):
     __slots__ = ()
-    enabled: bool
+    enabled: bool | None  # None: the rule only sets allow_untested
+    allow_untested: bool | None
     when: Mapping[str, SpecifierSet]
     where: str  # file + key, for the report
 
@@ -150,17 +164,22 @@ def _parse_rule(item: Any, key: str) -> Rule:
         return Rule(enabled=item, when={}, where=key)
     if not isinstance(item, dict):
         raise ConfigError(
-            f"{key} = {item!r}: expected true/false or a table "
-            "{{ enabled = <bool>, when = {{ <distribution> = <PEP 440 range> }} }}"
+            f"{key} = {item!r}: expected true/false or a table {{ enabled = <bool>, "
+            "when = { <distribution> = <PEP 440 range> }, allow_untested = <bool> }"
         )
-    extra = set(item) - {"enabled", "when"}
+    extra = set(item) - {"enabled", "when", "allow_untested"}
     if extra:
-        raise ConfigError(f"{key}: unknown key(s) {sorted(extra)}; accepted: enabled, when")
-    if "enabled" not in item:
+        raise ConfigError(
+            f"{key}: unknown key(s) {sorted(extra)}; accepted: enabled, when, allow_untested"
+        )
+    if "enabled" not in item and "allow_untested" not in item:
         raise ConfigError(f"{key}: missing 'enabled' (true or false)")
-    enabled = item["enabled"]
-    if not isinstance(enabled, bool):
+    enabled = item.get("enabled")
+    if enabled is not None and not isinstance(enabled, bool):
         raise ConfigError(f"{key}.enabled = {enabled!r}: expected true or false")
+    allow = item.get("allow_untested")
+    if allow is not None and not isinstance(allow, bool):
+        raise ConfigError(f"{key}.allow_untested = {allow!r}: expected true or false")
     when_raw = item.get("when", {})
     if not isinstance(when_raw, dict):
         raise ConfigError(f"{key}.when = {when_raw!r}: expected a table of distribution = range")
@@ -178,7 +197,7 @@ def _parse_rule(item: Any, key: str) -> Rule:
             raise ConfigError(
                 f"{key}.when.{dist} = {spec!r} is not a PEP 440 range (example: '>=0.19,<0.23')"
             ) from exc
-    return Rule(enabled=enabled, when=when, where=key)
+    return Rule(enabled=enabled, when=when, where=key, allow_untested=allow)
 
 
 class ToggleResolver:
@@ -199,6 +218,7 @@ class ToggleResolver:
         config_path = self.env.get("UCM_PATCH_CONFIG", "").strip()
         self.config_path = config_path or None
         self.rules = load_config(config_path, self.known) if config_path else {}
+        self.allow_env = self._read_allow_untested()
 
     def _check_code(self, code: Mapping[str, bool]) -> dict[str, bool]:
         for name, value in code.items():
@@ -228,6 +248,38 @@ class ToggleResolver:
             toggles[name] = parse_bool(value, var)
         return toggles
 
+    def _read_allow_untested(self) -> frozenset[str] | None:
+        """Patch names ``UCM_PATCH_ALLOW_UNTESTED`` allows past their ceilings; None when
+        it says no (0/false/...), which also overrides the config file."""
+        value = self.env.get(ALLOW_UNTESTED_VAR, "").strip()
+        if not value:
+            return frozenset()
+        word = value.lower()
+        if word in TRUE_WORDS:
+            return self.known
+        if word in FALSE_WORDS:
+            return None
+        names = {n.strip() for n in value.split(",") if n.strip()}
+        unknown = sorted(names - self.known)
+        if unknown:
+            raise ConfigError(
+                f"{ALLOW_UNTESTED_VAR}={value!r}: unknown patch name(s) {unknown}; expected "
+                f"{ACCEPTED_BOOL} or patch names separated by commas: {_names_hint(self.known)}"
+            )
+        return frozenset(names)
+
+    def allow_untested(self, name: str) -> str:
+        """Who lets patch ``name`` apply past its ceiling ("" = nobody): the environment
+        first, then the first matching config rule that says."""
+        if self.allow_env is None:
+            return ""
+        if name in self.allow_env:
+            return f"env {ALLOW_UNTESTED_VAR}"
+        for rule in self.rules.get(name, ()):
+            if rule.allow_untested is not None and self._rule_matches(rule):
+                return f"config {rule.where}" if rule.allow_untested else ""
+        return ""
+
     def _rule_matches(self, rule: Rule) -> bool:
         for dist, spec in rule.when.items():
             found = self.versions.get(dist)
@@ -241,6 +293,6 @@ class ToggleResolver:
         if name in self.env_toggles:
             return Decision(self.env_toggles[name], f"env {env_var_for(name)}")
         for rule in self.rules.get(name, ()):
-            if self._rule_matches(rule):
+            if rule.enabled is not None and self._rule_matches(rule):
                 return Decision(rule.enabled, f"config {rule.where}")
         return Decision(default, "default")

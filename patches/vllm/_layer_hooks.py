@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _vllm_compat
+from ucm_patch.records import HOOKS
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,17 +26,20 @@ def _stage() -> str:
     return layerwise.STAGE_NONE
 
 
-def make_method_wrapper(name_attr: str = "prefix") -> Wrapper:
+def make_method_wrapper(name_attr: str = "prefix", hooks: tuple[str, ...] = HOOKS) -> Wrapper:
     """Wrapper for a method of the layer that owns the cache (``instance``).
 
     ``name_attr``: the instance attribute holding the layer name vLLM keys metadata and
     ``no_compile_layers`` with (``prefix`` for GDN layers, ``layer_name`` for MLA layers).
+    ``hooks``: the calls to add (the registry passes the ones upstream does not make).
     """
-    site = layerwise.LayerSite(name_attr=name_attr, stage=_stage())
+    site = layerwise.LayerSite(
+        name_attr=name_attr, stage=_stage(), **layerwise.site_for_hooks(hooks)
+    )
     return layerwise.layer_bracket(site)
 
 
-def make_op_wrapper(layer_name_index: int) -> Wrapper:
+def make_op_wrapper(layer_name_index: int, hooks: tuple[str, ...] = HOOKS) -> Wrapper:
     """Wrapper for a custom-op kernel that gets the layer *name* at ``layer_name_index``.
 
     The layer is looked up in ``forward_context.no_compile_layers`` as vLLM's kernels do;
@@ -48,6 +52,7 @@ def make_op_wrapper(layer_name_index: int) -> Wrapper:
         name_class=_vllm_compat.layer_name_class(),
         resolve_name=_vllm_compat.layer_name_resolver(),
         stage=_stage(),
+        **layerwise.site_for_hooks(hooks),
     )
     return layerwise.layer_bracket(site)
 

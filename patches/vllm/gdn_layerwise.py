@@ -39,7 +39,7 @@ from __future__ import annotations
 from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks
-from ucm_patch.records import Kind, PatchRecord, PatchSet, table
+from ucm_patch.records import HOOKS, Kind, PatchRecord, PatchSet, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -59,14 +59,14 @@ REMOVAL = (
 )
 
 
-def make_method_wrapper() -> Wrapper:
+def make_method_wrapper(hooks: tuple[str, ...] = HOOKS) -> Wrapper:
     """Wrapper for a GDN layer method: the layer is ``instance``, its name ``prefix``."""
-    return _layer_hooks.make_method_wrapper("prefix")
+    return _layer_hooks.make_method_wrapper("prefix", hooks)
 
 
-def make_cpu_op_wrapper() -> Wrapper:
+def make_cpu_op_wrapper(hooks: tuple[str, ...] = HOOKS) -> Wrapper:
     """Wrapper for the kernel of ``vllm::cpu_gdn_attention_core`` (layer name: arg 4)."""
-    return _layer_hooks.make_op_wrapper(CPU_OP_LAYER_NAME_INDEX)
+    return _layer_hooks.make_op_wrapper(CPU_OP_LAYER_NAME_INDEX, hooks)
 
 
 # Leading parameters of each era's target (``leading`` checks, verified against every vLLM
@@ -86,7 +86,7 @@ _CPU_OPS = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 RECORDS: tuple[PatchRecord, ...] = table(
     NAME,
     "vllm",
-    "era target requires upstream expect",
+    "era target requires upstream expect callers",
     (
         (
             "vllm-0.10",
@@ -95,6 +95,7 @@ RECORDS: tuple[PatchRecord, ...] = table(
             "vLLM 0.10.2-0.11.x: op vllm::gdn_attention calls self._forward(hidden_states=, "
             "output=) eagerly (Qwen3-Next support, vLLM PR #24526).",
             (leading(("self", "hidden_states", "output")),),
+            ("vllm::gdn_attention",),
         ),
         (
             "vllm-0.12",
@@ -103,6 +104,7 @@ RECORDS: tuple[PatchRecord, ...] = table(
             "vLLM 0.12-0.18.x: op vllm::gdn_attention_core calls self._forward_core(mixed_qkv=, "
             "b=, a=, core_attn_out=); KV cache indexed by forward_context.virtual_engine.",
             (leading(_CORE),),
+            ("vllm::gdn_attention_core",),
         ),
         (
             "vllm-0.19",
@@ -111,6 +113,7 @@ RECORDS: tuple[PatchRecord, ...] = table(
             "vLLM 0.19-0.21: GDN moved to layers/mamba/gdn_linear_attn.py (PluggableLayer); "
             "virtual_engine removed, kv_cache used directly.",
             (leading(_CORE),),
+            ("vllm::gdn_attention_core",),
         ),
         (
             "vllm-0.21-rocm",
@@ -119,6 +122,7 @@ RECORDS: tuple[PatchRecord, ...] = table(
             "vLLM 0.21: op gdn_attention_core(fast_kernel=True) calls _forward_core_rocm (AITER "
             "path), which may return without reaching _forward_core.",
             (leading(_ROCM_CORE),),
+            ("vllm::gdn_attention_core",),
             {"optional": True},
         ),
         (
@@ -128,6 +132,7 @@ RECORDS: tuple[PatchRecord, ...] = table(
             "vLLM 0.22-0.33: op vllm::qwen_gdn_attention_core (layers/mamba/gdn/"
             "qwen_gdn_linear_attn.py); layer_name is LayerName-encoded on the op path.",
             (leading(_CORE),),
+            ("vllm::qwen_gdn_attention_core",),
         ),
         (
             "vllm-0.22-rocm",
@@ -136,6 +141,7 @@ RECORDS: tuple[PatchRecord, ...] = table(
             "vLLM 0.22-0.33: qwen_gdn_attention_core(use_aiter=True) calls _forward_core_rocm, "
             "which handles decode-only batches without _forward_core.",
             (leading(_ROCM_CORE),),
+            ("vllm::qwen_gdn_attention_core",),
             {"optional": True},
         ),
         (
@@ -145,6 +151,7 @@ RECORDS: tuple[PatchRecord, ...] = table(
             "vLLM 0.28-0.33: op vllm::qwen_gdn_attention_core_fused_norm_packed (fused GDN "
             "spec-decode path) calls _forward_core_fused_norm_packed, not _forward_core.",
             (leading(("self", "mixed_qkvz", "ba", "core_attn_out")),),
+            ("vllm::qwen_gdn_attention_core_fused_norm_packed",),
             {"optional": True},
         ),
         (
@@ -155,6 +162,7 @@ RECORDS: tuple[PatchRecord, ...] = table(
             "register_cpu_gdn_attention_ops() from the GDN layer's __init__ "
             "(reads the module global, so the wrapped attribute is what gets registered).",
             (leading(CPU_OP_PARAMS),),
+            (),  # the op-kernel record checks its own op's registered kernel
             {
                 "make_wrapper": make_cpu_op_wrapper,
                 "why": WHY + " On CPU, forward_cpu calls torch.ops.vllm.cpu_gdn_attention_core "
@@ -166,6 +174,7 @@ RECORDS: tuple[PatchRecord, ...] = table(
         ),
     ),
     make_wrapper=make_method_wrapper,
+    hooks=HOOKS,
     skip_when=layerwise.idle,
     why=WHY,
     removal=REMOVAL,

@@ -122,6 +122,7 @@ RECORDS: tuple[PatchRecord, ...] = table(
     requires=REQUIRES,
     why=WHY,
     removal=REMOVAL,
+    retired="vLLM-Ascend 0.19.1rc1 waits in the mlapo branch of AscendSFAImpl.forward itself.",
 )
 
 PATCH_SET = PatchSet(

@@ -128,6 +128,8 @@ def _main(argv: list[str]) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    if os.environ.get("UCM_TEST_NATIVE_GDN") == "1":
+        _bracket_cpu_gdn_op_natively()
     import ucm_patch  # activates from the environment, as a user's import would
     from ucm_patch.hooks import layerwise
 
@@ -152,6 +154,26 @@ def _main(argv: list[str]) -> int:
         json.dumps({"report": ucm_patch.report(), "hook_calls": dict(layerwise.calls)})
     )
     return 0
+
+
+def _bracket_cpu_gdn_op_natively() -> None:
+    """Do what upstream would: decorate vLLM CPU's GDN op with vLLM's own
+    ``maybe_transfer_kv_layer`` (as it brackets attention), before ucm_patch activates.
+
+    ``register_cpu_gdn_attention_ops()`` reads the module global when the first GDN layer
+    is built, so the decorated function is the kernel vLLM registers. Its signature is
+    given with the annotations evaluated: ``infer_schema`` would otherwise evaluate the
+    module's string annotations in the decorator's module, where they do not resolve.
+    """
+    import inspect
+
+    from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    plain = gdn_attention.cpu_gdn_attention_core
+    decorated = maybe_transfer_kv_layer(plain)
+    decorated.__signature__ = inspect.signature(plain, eval_str=True)
+    gdn_attention.cpu_gdn_attention_core = decorated
 
 
 if __name__ == "__main__":
