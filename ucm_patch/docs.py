@@ -19,6 +19,18 @@ HEADER = """# Patches
 Every record is one era of one logical patch. Toggle a patch by its logical name
 (`UCM_PATCH_<NAME>=0|1`, or the `UCM_PATCH_CONFIG` file); the era that matches the
 installed versions is the one applied. `ucm-patch status` shows what happened in a process.
+
+States a record can end in (`ucm-patch status`, `UCM_PATCH_REPORT_DIR`):
+
+| state | meaning |
+|---|---|
+| `applied` | wrapped; the reason says when it adds only some hooks (upstream makes the others) or was allowed past its ceiling |
+| `native` | upstream already makes every connector call the record would add; it stands down and names what it found |
+| `untested-version` | the installed release is past the ceiling of the patch's newest era; off unless `UCM_PATCH_ALLOW_UNTESTED` allows it |
+| `skipped-version` | another era's range (or a retired record: upstream fixed it) |
+| `failed` | the target moved, or its parameters differ from what the wrapper reads ("signature changed: expected ..., found ...") |
+| `target-missing` | an optional target absent in this build (e.g. ROCm-only paths) |
+| `disabled` / `waiting-for-import` / `reverted` | switched off; target module not imported yet; undone |
 """
 
 CARRIED = ("verify-matrix", "bypass-survey", "ascend-matrix")
