@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 _lock = threading.Lock()
 _kernels: dict[str, Callable[..., Any]] = {}  # "ns::op" -> the last kernel registered
 _watching = False
+# Registrations the ledger could not note ("op: ExcType: message"), for ucm-patch status
+# and tests: native detection then falls back to the op's module attribute.
+missed: list[str] = []
 
 
 def registered(op: str) -> Callable[..., Any] | None:
@@ -64,13 +67,15 @@ def _wrap_impl(module: Any) -> None:
 
     def impl_noting_kernel(self: Any, op_name: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
         result = impl(self, op_name, fn, *args, **kwargs)
-        try:  # bookkeeping only: a registration must never fail because of it
+        try:  # bookkeeping only
             name = op_name if isinstance(op_name, str) else getattr(op_name, "_name", "")
             short = name.split("::")[-1].split(".")[0]
             if short and callable(fn):
                 note(f"{self.ns}::{short}", fn)
-        except Exception:
-            pass
+        except Exception as exc:  # a registration must never fail because of the ledger
+            with _lock:
+                if len(missed) < 100:
+                    missed.append(f"{op_name!r}: {type(exc).__name__}: {exc}")
         return result
 
     impl_noting_kernel._ucm_patch_ledger = True  # type: ignore[attr-defined]
