@@ -147,5 +147,7 @@ def test_ledger_wrapper_never_breaks_a_registration(module):
         lib.define("f(Tensor x) -> Tensor")
         lib.impl("f", lambda x: x + 1, "CPU")
         assert torch.equal(torch.ops.ucm_native_test2.f(torch.zeros(1)), torch.ones(1))
+        assert kernel_ledger.registered("ucm_native_test2::f") is not None
+        assert kernel_ledger.missed == []
     finally:
         lib._destroy()
