@@ -10,6 +10,9 @@ is :mod:`ucm_patch.verify.ascend`, this is its command line. Sources:
   setuptools_scm, so it is fetched from a small venv under ``.cache/vllm_ascend/dlvenv``)
   and unpacked into ``.cache/vllm_ascend/src/<version>``. ``make test`` does this
   (tests/test_patches_ascend_sources.py): these are the cells marked "CI".
+* A main-branch snapshot (``--git REPO --main COMMIT``): labelled ``main@<commit[:12]>`` and
+  checked against the newest era of each patch, the records ``UCM_PATCH_ALLOW_UNTESTED``
+  lets apply to an unreleased version. Verified outside CI; kept in the data file.
 * A source checkout of an rc tag (``--source DIR --label v0.19.1rc1``; DIR holds
   ``vllm_ascend/``), or ``--git REPO --tag v0.19.1rc1`` to export it from a local clone
   (``git archive``). Verified outside CI; the results are kept in the data file.
@@ -58,6 +61,13 @@ def _sources(args: argparse.Namespace) -> list[tuple[Path, str, str]]:
         if not args.git:
             raise verify.SourceError("--tag needs --git (a local clone of vllm-ascend)")
         out.append((verify.export_tag(Path(args.git), tag), tag, "tag"))
+    if args.main:
+        if not args.git:
+            raise verify.SourceError("--main needs --git (a local clone of vllm-ascend)")
+        commit = args.main
+        if len(commit) != 40:
+            raise verify.SourceError(f"--main {commit!r}: give the full 40-digit commit")
+        out.append((verify.export_tag(Path(args.git), commit), verify.main_label(commit), "main"))
     return out
 
 
@@ -68,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", help="version / tag of --source (e.g. v0.19.1rc1)")
     p.add_argument("--git", help="a local git clone (or bare mirror) of vllm-ascend")
     p.add_argument("--tag", action="append", default=[], help="tag to export from --git")
+    p.add_argument("--main", help="a main-branch commit of --git to verify (40 digits)")
     p.add_argument("--write-data", action="store_true", help=f"store results in {verify.DATA.name}")
     p.add_argument("--write-docs", action="store_true", help="rewrite the docs matrix section")
     p.add_argument("--check", action="store_true", help="fail when results differ from the data")

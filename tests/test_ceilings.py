@@ -8,12 +8,16 @@ verification engines read (ucm_patch.verify.vllm / ascend), not numbers typed he
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 from packaging.version import Version
 
-from ucm_patch.expect import leading_params
+from ucm_patch.expect import apply_time_params
 from ucm_patch.patches import all_patch_sets
 from ucm_patch.records import HOOKS
+from ucm_patch.verify import ascend as verify_ascend
 from ucm_patch.verify import vllm as verify_vllm
 
 RECORDS = [r for ps in all_patch_sets() for r in ps.records]
@@ -51,23 +55,44 @@ def test_the_newest_vllm_eras_reach_the_ceiling():
     assert newest and all(c == _next_minor(str(NEWEST_VLLM)) for c in newest.values()), newest
 
 
-# vLLM-Ascend records state their parameters as `signature` checks on the code they read,
-# not always on their own target (binding records wrap a by-name import): issue #16 work
-# in progress gives each one an own-target check; until then they are checked in source
-# only (ucm_patch.verify.ascend).
-@pytest.mark.parametrize("record", [r for r in RECORDS if "vllm" in r.requires], ids=lambda r: r.id)
+def _newest_ascend() -> Version:
+    """The newest vLLM-Ascend release verified from source (PyPI or git tag; a main-branch
+    snapshot is not a release)."""
+    entries = verify_ascend.load_data()["versions"].values()
+    return max(Version(e["label"].lstrip("v")) for e in entries if e["kind"] != "main")
+
+
+@pytest.mark.parametrize(
+    "record", [r for r in RECORDS if "vllm-ascend" in r.requires], ids=lambda r: r.id
+)
+def test_ascend_ceilings_stop_after_the_newest_verified_release(record):
+    newest = _newest_ascend()
+    ceiling = Version(record.ceiling["vllm-ascend"])
+    assert ceiling <= _next_minor(newest.base_version), (
+        f"{record.id}: ceiling <{ceiling} runs past the newest verified vLLM-Ascend {newest}"
+    )
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: r.id)
 def test_every_record_has_a_parameter_check_for_apply_time(record):
-    exact = [c for c in record.expect if c.kind == "signature" and c.args[0] == record.target]
-    assert leading_params(record.expect) is not None or exact, (
-        f"{record.id}: no `leading` / own-target `signature` check: its wrapper's argument "
-        "positions cannot be checked against the live target"
+    """The installer checks the live target against these before wrapping (a copied or
+    by-name-imported function is checked through the source it is a copy of)."""
+    assert apply_time_params(record.target, record.expect), (
+        f"{record.id}: no `leading` check and no `signature` check on its target, on the "
+        "function an `assigned` check copies there or on the name a `binding` check imports: "
+        "its wrapper's argument positions cannot be checked against the live target"
     )
 
 
 @pytest.mark.parametrize("record", [r for r in RECORDS if r.hooks], ids=lambda r: r.id)
-def test_layer_records_accept_the_hooks_they_may_be_asked_for(record):
+def test_layer_records_accept_the_hooks_they_may_be_asked_for(record, monkeypatch):
     """A record may be built for any non-empty subset of its hooks (upstream made the
     others): its factory must accept ``hooks=`` for each."""
+    # The vLLM-Ascend 0.18 factory asks vllm_ascend.utils.vllm_version_is (apply time).
+    utils = types.ModuleType("vllm_ascend.utils")
+    utils.vllm_version_is = lambda version: False  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm_ascend", types.ModuleType("vllm_ascend"))
+    monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
     assert set(record.hooks) <= set(HOOKS)
     for hook in record.hooks:
         wrapper = record.make_wrapper(hooks=(hook,))

@@ -68,6 +68,19 @@ RUNS: dict[str, tuple[str, str, dict[str, str]]] = {
         },
     ),
 }
+# vLLM-Ascend main (tests/standins/ascend_main): newer than every ceiling; "allowed" opts in,
+# "12711" adds the native GDN wait of vllm-ascend PR #12711.
+_MAIN = {"UCM_PATCH_VLLM_ASCEND_VERSION": "0.26.0.dev0"}
+_ALLOW = {"UCM_PATCH_ALLOW_UNTESTED": "1"}
+_NATIVE_WAIT = {"UCM_STANDIN_NATIVE_WAIT": "1"}
+RUNS.update(
+    {
+        "main": ("main", "era_main.py", _MAIN),
+        "main-allowed": ("main", "era_main.py", {**_MAIN, **_ALLOW}),
+        "main-12711": ("main", "era_main.py", {**_MAIN, **_NATIVE_WAIT}),
+        "main-12711-allowed": ("main", "era_main.py", {**_MAIN, **_ALLOW, **_NATIVE_WAIT}),
+    }
+)
 
 
 def run_scenario(era: str, script: str, extra: dict[str, str]) -> dict[str, Any]:
@@ -115,7 +128,7 @@ def kinds(log: list[list[Any]]) -> list[str]:
 
 
 # -- every era ----------------------------------------------------------------------------
-@pytest.mark.parametrize("name", [n for n in RUNS if not n.endswith("control")])
+@pytest.mark.parametrize("name", [n for n in RUNS if not n.endswith(("control", "main", "12711"))])
 def test_no_record_fails_and_every_hook_binding_is_patched(runs, name):
     result = runs[name]
     failed = {k: v for k, v in result["final_states"].items() if v == "failed"}
@@ -340,3 +353,52 @@ def test_0_23_sfa_already_waits_and_gates_hold(runs):
     assert kinds(result["sfa_mlapo"]).count("wait") == 1
     assert result["sfa_mlapo"][3][2] == "native"  # SFA still records for producers in 0.23
     assert not {"wait", "save"} & set(kinds(result["no_metadata"]))
+
+
+# -- vLLM-Ascend main (newer than every ceiling) ---------------------------------------------
+MAIN_GDN = ("model.layers.0.linear_attn", "model.layers.4.linear_attn")
+
+
+def _bracketed(step: list[list[Any]]) -> list[list[Any]]:
+    """One wait, the write, one save under the layer's name with its own cache, per layer."""
+    out: list[list[Any]] = []
+    for i, name in enumerate(MAIN_GDN):
+        out += [
+            ["wait", name],
+            ["write", f"gdn:{name}"],
+            ["save", name, f"gdn{i}.kv", f"gdn{i}_md", None, None],
+        ]
+    return out
+
+
+@pytest.mark.parametrize("name", ["main", "main-12711"])
+def test_main_gdn_records_are_untested_by_default(runs, name):
+    """Past the ceiling nothing is wrapped: the connector sees upstream's calls only (the
+    anonymous save, and #12711's wait where main has it)."""
+    result = runs[name]
+    core, anon = "gdn_layerwise@ascend-0.19", "gdn_layerwise@ascend-0.19-anon"
+    assert result["final_states"][core] == result["final_states"][anon] == "untested-version"
+    assert "past the ceiling <0.26" in result["final_reasons"][core]
+    upstream = []
+    for name_ in MAIN_GDN:
+        upstream += [["wait", name_]] if name.endswith("12711") else []
+        upstream += [["write", f"gdn:{name_}"], ["save", "", "[]", "md", None, None]]
+    assert result["step0"] == result["step1"] == upstream
+
+
+@pytest.mark.parametrize("name", ["main-allowed", "main-12711-allowed"])
+def test_main_allowed_gives_one_wait_and_one_named_save_per_layer(runs, name):
+    """Opted in: main's anonymous save (now inside _forward_core) is dropped, the core gets
+    its save under its name, and the wait comes from the wrapper or from #12711, never both."""
+    result = runs[name]
+    for rid in ("gdn_layerwise@ascend-0.19", "gdn_layerwise@ascend-0.19-anon"):
+        assert result["final_states"][rid] == "applied", result["final_reasons"].get(rid)
+        assert "allowed by env UCM_PATCH_ALLOW_UNTESTED" in result["final_reasons"][rid]
+    assert result["step0"] == result["step1"] == _bracketed(result["step0"])
+
+
+def test_main_native_wait_leaves_the_wrapper_adding_the_save_only(runs):
+    reason = runs["main-12711-allowed"]["final_reasons"]["gdn_layerwise@ascend-0.19"]
+    assert "adds save only; native wait: " in reason
+    assert "calls wait_for_kv_layer_from_connector" in reason
+    assert "native" not in runs["main-allowed"]["final_reasons"]["gdn_layerwise@ascend-0.19"]

@@ -17,7 +17,7 @@ import wrapt
 from packaging.version import Version
 
 from ucm_patch.errors import ConfigError, PatchFailed
-from ucm_patch.expect import leading
+from ucm_patch.expect import assigned, binding, leading, signature
 from ucm_patch.records import PatchRecord
 from ucm_patch.registry import Registry
 
@@ -26,6 +26,7 @@ WRAPT = Version(wrapt.__version__)
 IN_RANGE = f">={WRAPT.major},<{WRAPT.major + 1}"
 PAST = f">=0.0.1,<{WRAPT.major}.{WRAPT.minor}"  # installed wrapt is past this ceiling
 OLDER = ">=0.0.1,<0.0.2"  # an older era of the same patch
+SAVE = ("layer_name", "kv_cache_layer")
 
 
 def wait_for_kv_layer_from_connector(layer_name: str) -> None:
@@ -230,3 +231,51 @@ def test_a_retired_record_is_skipped_not_untested(module):
     reg.activate(env={"UCM_PATCH_ALLOW_UNTESTED": "1"})
     state, reason = _state(reg, "gdn_layerwise@new")
     assert state == "skipped-version" and "outside the required range" in reason
+
+
+# -- apply-time parameter checks through a copy and a by-name import (vLLM-Ascend records) ----
+@pytest.mark.parametrize(
+    ("attr", "state"), [("plain", "applied"), ("renamed", "failed")], ids=["same", "changed"]
+)
+def test_a_copied_method_is_checked_against_the_function_it_copies(module, attr, state):
+    """``assigned`` puts ``Source.core`` onto ``Layer.copied``: the live method must have the
+    parameters the ``signature`` check states for ``Source.core``."""
+    module.Layer.copied = module.Layer.__dict__[attr]
+    expect = (
+        signature(f"{MOD}:Source.core", ("self", "x", "y")),
+        assigned(MOD, "Layer.copied", "Source.core"),
+    )
+    reg = Registry([_rec("copied", expect=expect)])
+    reg.activate(env={})
+    got, reason = _state(reg, "gdn_layerwise@new")
+    assert got == state, reason
+    if state == "failed":
+        assert reason == (
+            f"signature changed: expected (self, x, y), found (self, q, y) on {MOD}:Layer.copied"
+        )
+
+
+@pytest.mark.parametrize(("params", "state"), [(SAVE, "applied"), (("name", "kv"), "failed")])
+def test_a_by_name_binding_is_checked_against_the_hook_it_imports(module, params, state):
+    """``binding`` imports ``maybe_save_kv_layer_to_connector`` into the module: the live
+    function must have the hook's parameters (the anonymous filter reads ``layer_name``)."""
+    module.maybe_save_kv_layer_to_connector = maybe_save_kv_layer_to_connector
+    expect = (
+        binding(MOD, "maybe_save_kv_layer_to_connector"),
+        signature("hooks_module:maybe_save_kv_layer_to_connector", params),
+    )
+    record = PatchRecord(
+        "anon_filter",
+        "new",
+        f"{MOD}:maybe_save_kv_layer_to_connector",
+        {"wrapt": IN_RANGE},
+        why="w",
+        upstream="u",
+        removal="r",
+        make_wrapper=lambda: lambda w, i, a, k: w(*a, **k),
+        expect=expect,
+    )
+    reg = Registry([record])
+    reg.activate(env={})
+    got, reason = _state(reg, "anon_filter@new")
+    assert got == state, reason

@@ -89,6 +89,39 @@ def leading_params(checks: tuple[Check, ...]) -> tuple[str, ...] | None:
     return None
 
 
+def apply_time_params(target: str, checks: tuple[Check, ...]) -> list[tuple[tuple[str, ...], bool]]:
+    """What the live object at ``target`` must look like, as ``(params, exact)`` options.
+
+    The same source facts ``ucm_patch.verify`` checks, read for the object the wrapper will
+    really receive: a ``leading`` check (a prefix of the target's parameters); a
+    ``signature`` check on ``target`` itself; a ``signature`` check on a function that an
+    ``assigned`` check copies onto ``target`` (vLLM-Ascend copying its GDN core onto vLLM's
+    class: the live method *is* that function); a ``signature`` check on the name a
+    ``binding`` check imports as ``target`` (a by-name import of a hook function). Several
+    options (a copy from one of two classes) mean any of them may be live. Empty: the record
+    states nothing checkable.
+    """
+    module, _, qualname = target.partition(":")
+    sources = {target}
+    for check in checks:
+        if check.kind == "assigned" and f"{check.args[0]}:{check.args[1]}" == target:
+            sources.add(str(check.args[2]))
+        elif check.kind == "binding" and (check.args[0], check.args[1]) == (module, qualname):
+            sources.add(str(check.args[1]))
+    out: list[tuple[tuple[str, ...], bool]] = []
+    for check in checks:
+        option = None
+        if check.kind == "leading":
+            option = (tuple(check.args[0]), False)
+        elif check.kind == "signature":
+            code = str(check.args[0])
+            if code in sources or code.partition(":")[2] in sources:
+                option = (tuple(check.args[1]), True)
+        if option is not None and option not in out:
+            out.append(option)
+    return out
+
+
 def arg_index(params: tuple[str, ...], name: str) -> int:
     """Position of ``name`` among a function's call arguments (``params`` minus ``self``).
 

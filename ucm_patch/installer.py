@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable
 
 from ucm_patch import guard, native, trampoline
-from ucm_patch.expect import leading_params
+from ucm_patch.expect import apply_time_params
 from ucm_patch.records import Kind, PatchRecord
 from ucm_patch.typing_guard import TYPE_CHECKING
 
@@ -207,22 +207,22 @@ def live_params(original: Any) -> tuple[str, ...] | None:
 
 def check_signature(record: PatchRecord, original: Any) -> None:
     """Raise :class:`SignatureChanged` unless the live target has the parameters the
-    record's wrapper reads: its ``leading`` check (a prefix) and any ``signature`` check
-    on the target itself (exact), the same facts ``ucm_patch.verify`` checks in source."""
-    expected = leading_params(record.expect)
-    exact = False
-    for check in record.expect:
-        if check.kind == "signature" and check.args[0] == record.target:
-            expected, exact = tuple(check.args[1]), True
-    if expected is None:
+    record's wrapper reads (:func:`ucm_patch.expect.apply_time_params`: the same facts
+    ``ucm_patch.verify`` checks in source, read for the object really found here)."""
+    options = apply_time_params(record.target, record.expect)
+    if not options:
         return
     found = live_params(original)
-    if found is None or (found != expected if exact else found[: len(expected)] != expected):
-        want = f"({', '.join(expected)})" if exact else f"({', '.join(expected)}, ...)"
-        shown = "unreadable" if found is None else f"({', '.join(found)})"
-        raise SignatureChanged(
-            f"signature changed: expected {want}, found {shown} on {record.target}"
-        )
+    for expected, exact in options:
+        if found is not None and (
+            found == expected if exact else found[: len(expected)] == expected
+        ):
+            return
+    want = " or ".join(
+        f"({', '.join(p)})" if exact else f"({', '.join(p)}, ...)" for p, exact in options
+    )
+    shown = "unreadable" if found is None else f"({', '.join(found)})"
+    raise SignatureChanged(f"signature changed: expected {want}, found {shown} on {record.target}")
 
 
 def _override_kernel(record: PatchRecord, kernel: Any) -> Any:

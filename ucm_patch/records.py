@@ -254,6 +254,28 @@ def _version_key(text: str) -> Any:
     return Version(text)
 
 
+def newest_eras(records: Iterable[PatchRecord]) -> set[str]:
+    """Ids of the records whose ceilings are, per patch name, the highest for every
+    distribution they require: the eras that may apply past their ceiling when the user
+    allows untested versions (and that ``ucm_patch.verify`` checks against a main branch)."""
+    records = list(records)
+    top: dict[tuple[str, str], Any] = {}
+    for r in records:
+        for dist, ceiling in r.ceiling.items():
+            value = _version_key(ceiling or _OPEN)
+            key = (r.name, dist)
+            if key not in top or value > top[key]:
+                top[key] = value
+    return {
+        r.id
+        for r in records
+        if all(_version_key(c or _OPEN) == top[(r.name, d)] for d, c in r.ceiling.items())
+    }
+
+
+_OPEN = "999999"  # an open range's "ceiling" (tests/test_ceilings.py forbids open ranges)
+
+
 class PatchSet(namedtuple("PatchSet", ("name", "library", "description", "records"))):
     """The records of one library era (e.g. every patch for vLLM 0.22 to 0.33)."""
 

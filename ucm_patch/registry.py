@@ -52,7 +52,7 @@ from types import ModuleType
 
 from ucm_patch import importhooks, installer
 from ucm_patch.errors import PatchFailed
-from ucm_patch.records import PatchRecord, Tag
+from ucm_patch.records import PatchRecord, Tag, newest_eras
 from ucm_patch.toggles import ToggleResolver
 from ucm_patch.typing_guard import TYPE_CHECKING
 from ucm_patch.versions import InstalledVersion, VersionCache
@@ -387,26 +387,10 @@ def _fork_safe(registry: Registry) -> None:
 
 
 def _mark_newest(statuses: Iterable[RecordStatus]) -> None:
-    """Mark, per patch name, the records whose ceilings are the highest for every
-    distribution they require: the eras that may apply past the ceiling when allowed."""
-    top: dict[tuple[str, str], Any] = {}
     statuses = list(statuses)
+    ids = newest_eras(st.record for st in statuses)
     for st in statuses:
-        for dist, ceiling in st.record.ceiling.items():
-            key = (st.record.name, dist)
-            value = _ceiling_key(ceiling)
-            if key not in top or value > top[key]:
-                top[key] = value
-    for st in statuses:
-        st.newest = all(
-            _ceiling_key(c) == top[(st.record.name, d)] for d, c in st.record.ceiling.items()
-        )
-
-
-def _ceiling_key(ceiling: str | None) -> Any:
-    from packaging.version import Version
-
-    return Version(ceiling) if ceiling else Version("999999")
+        st.newest = st.record.id in ids
 
 
 def _applied_reason(st: RecordStatus, applied: installer.Applied) -> str:

@@ -27,8 +27,10 @@ __all__ = [
     "KV_WRITE_OPS",
     "NOTIFY",
     "SAVE",
+    "SAVE_PARAMS",
     "UTILS",
     "WAIT",
+    "WAIT_PARAMS",
     "Check",
     "anonymous_only",
     "arg_index",
@@ -45,6 +47,10 @@ WAIT = "wait_for_kv_layer_from_connector"
 SAVE = "maybe_save_kv_layer_to_connector"
 NOTIFY = "notify_kv_cache_written"
 HOOK_NAMES = (WAIT, SAVE, NOTIFY)
+# Their parameters in every verified release (scripts/data/ascend_signatures.json): what a
+# wrapper on a by-name binding of them reads, checked in source and at apply time.
+WAIT_PARAMS = ("layer_name",)
+SAVE_PARAMS = ("layer_name", "kv_cache_layer")
 # torch_npu / vLLM-Ascend calls that write the paged KV cache (attribute or plain calls).
 KV_WRITE_OPS = (
     "_npu_reshape_and_cache",

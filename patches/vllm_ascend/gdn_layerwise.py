@@ -34,6 +34,14 @@ that counts layers from the anonymous call (Mooncake layerwise) must run with
 ``forward`` (up to v0.25) and Dynamo inlines the original function, bypassing any wrapper;
 the core wrapper itself runs eagerly inside the opaque GDN op in every mode.
 
+Native calls. vLLM-Ascend main waits in the GDN core itself (#12711: ``_forward_core``
+calls ``wait_for_kv_layer_from_connector(self.prefix)``; not in any release up to
+v0.25.1rc1 nor in main at the pinned commit of the verification matrix). The core records
+name their hooks, so at apply time :mod:`ucm_patch.native` reads the core (and the
+``forward`` that calls it): a native wait leaves the wrapper adding the save only, a native
+wait and a *named* save make the record stand down (state ``native``); the anonymous save
+is never counted as one.
+
 No double save with vLLM's own ``gdn_layerwise`` records: on an NPU host they are in range
 too, but vLLM-Ascend overwrites (0.13 - 0.18, 0.21+) or overrides (0.11, 0.19 - 0.20) the
 method they wrap. When both wrappers end up nested on the same method (ucm_patch activated
@@ -49,7 +57,7 @@ from collections.abc import Callable
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm_ascend import _ascend_compat as compat
 from ucm_patch.patches.vllm_ascend import checks as c
-from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.records import HOOKS, PatchRecord, PatchSet, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -91,14 +99,18 @@ _ASCEND_CORE = f"{_OPS}:AscendGatedDeltaNetAttention._forward_core"
 _ASCEND_310_CORE = f"{_310}:AscendGatedDeltaNetAttention310._forward_core"
 
 
-def make_core_wrapper(kv_mode: str) -> Wrapper:
+def make_core_wrapper(kv_mode: str, hooks: tuple[str, ...] = HOOKS) -> Wrapper:
     """Wrapper for a GDN core method; the layer is the bound instance, its name ``prefix``.
 
     ``kv_mode`` picks the KV cache the way the era's core does (see _ascend_compat). An
     unbound copy of the method (vLLM-Ascend copies methods between classes) gets the layer
-    as its first argument: the bracket takes it from there.
+    as its first argument: the bracket takes it from there. ``hooks``: the calls to add;
+    the registry passes only ``("save",)`` where the core already waits itself (vLLM-Ascend
+    main, #12711), found by :mod:`ucm_patch.native` at apply time.
     """
-    site = layerwise.LayerSite(name_attr="prefix", stage=compat.gdn_kv_stage(kv_mode))
+    site = layerwise.LayerSite(
+        name_attr="prefix", stage=compat.gdn_kv_stage(kv_mode), **layerwise.site_for_hooks(hooks)
+    )
     return layerwise.layer_bracket(site)
 
 
@@ -208,7 +220,10 @@ _CORE_RECORDS = table(
                 c.signature(_ASCEND_CORE, CORE_PARAMS),
                 c.local(_ASCEND_CORE, "self_kv_cache", compat.KV_CACHE_EXPR[_DIRECT]),
             ),
-            {"supersedes": ("gdn_layerwise@vllm-0.19", "gdn_layerwise@vllm-0.21-rocm")},
+            {
+                "supersedes": ("gdn_layerwise@vllm-0.19", "gdn_layerwise@vllm-0.21-rocm"),
+                "callers": (f"{_OPS}:AscendGatedDeltaNetAttention.forward",),
+            },
         ),
         (
             "ascend-0.19-310p",
@@ -221,6 +236,7 @@ _CORE_RECORDS = table(
                 c.signature(_ASCEND_310_CORE, CORE_PARAMS),
                 c.local(_ASCEND_310_CORE, "self_kv_cache", compat.KV_CACHE_EXPR[_DIRECT]),
             ),
+            {"callers": (f"{_310}:AscendGatedDeltaNetAttention310.forward",)},
         ),
         (
             "ascend-0.21",
@@ -245,7 +261,10 @@ _CORE_RECORDS = table(
                     "AscendGatedDeltaNetAttention310._forward_core",
                 ),
             ),
-            {"supersedes": ("gdn_layerwise@vllm-0.22",)},
+            {
+                "supersedes": ("gdn_layerwise@vllm-0.22",),
+                "callers": (f"{_PQ35}:_GDN_PATCH_TARGET.forward",),
+            },
         ),
         (
             "ascend-0.21-310p-idex",
@@ -284,6 +303,7 @@ _CORE_RECORDS = table(
             {"optional": True},
         ),
     ),
+    hooks=HOOKS,
     why=WHY,
     removal=REMOVAL,
 )
@@ -330,7 +350,11 @@ RECORDS: tuple[PatchRecord, ...] = _CORE_RECORDS + table(
             f"{module}:{c.SAVE}",
             requires,
             upstream,
-            (c.binding(module, c.SAVE), c.anonymous_only(module, c.SAVE)),
+            (
+                c.binding(module, c.SAVE),
+                c.signature(f"{c.UTILS}:{c.SAVE}", c.SAVE_PARAMS),
+                c.anonymous_only(module, c.SAVE),
+            ),
         )
         for era, module, requires, upstream in _ANONYMOUS
     ),

@@ -57,8 +57,8 @@ REMOVAL = (
     "Delete when vllm_ascend/attention/utils.py gates on connector.has_connector_metadata() "
     "(not the case up to 0.25.1rc1)."
 )
-WAIT_PARAMS = ("layer_name",)
-SAVE_PARAMS = ("layer_name", "kv_cache_layer")
+WAIT_PARAMS = c.WAIT_PARAMS
+SAVE_PARAMS = c.SAVE_PARAMS
 
 
 def make_gate() -> Wrapper:

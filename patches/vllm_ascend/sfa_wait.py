@@ -116,7 +116,11 @@ RECORDS: tuple[PatchRecord, ...] = table(
             make_dedupe_wrapper,
             "vLLM-Ascend 0.13.0-0.18.0: the native branch of AscendSFAImpl.forward calls the "
             "by-name binding sfa_v1.wait_for_kv_layer_from_connector(layer_name).",
-            (c.binding(SFA, c.WAIT), c.mlapo_no_wait(_FORWARD)),
+            (
+                c.binding(SFA, c.WAIT),
+                c.signature(f"{c.UTILS}:{c.WAIT}", c.WAIT_PARAMS),
+                c.mlapo_no_wait(_FORWARD),
+            ),
         ),
     ),
     requires=REQUIRES,

@@ -242,7 +242,8 @@ def unpack(archive: Path, version: str) -> Path:
 
 
 def export_tag(git_dir: Path, tag: str) -> Path:
-    """``git archive <tag> vllm_ascend`` from a local clone into .cache/vllm_ascend/src/<tag>."""
+    """``git archive <tag> vllm_ascend`` from a local clone into .cache/vllm_ascend/src/<tag>
+    (``tag`` may be any commit: a main-branch snapshot is exported the same way)."""
     root = CACHE / "src" / tag
     if (root / "vllm_ascend" / "__init__.py").exists():
         return root
@@ -403,8 +404,31 @@ def run_check(tree: Tree, check: Check) -> str | None:
     return checks.run_check(tree, check, KINDS)
 
 
+MAIN_PREFIX = "main@"  # label of a main-branch snapshot: "main@<commit[:12]>"
+
+
+def main_label(commit: str) -> str:
+    return f"{MAIN_PREFIX}{commit[:12]}"
+
+
+def is_main(label: str) -> bool:
+    return label.startswith(MAIN_PREFIX)
+
+
 def in_range(record: PatchRecord, label: str) -> bool:
+    """Whether ``record`` applies to the source labelled ``label``. A main-branch snapshot
+    is newer than every ceiling: what would run there is the newest era of each patch (the
+    records ``UCM_PATCH_ALLOW_UNTESTED`` lets apply), so those are the ones checked."""
+    if is_main(label):
+        return not record.retired and record.id in _newest_ids()
     return checks.in_range(record, "vllm-ascend", label)
+
+
+@functools.cache
+def _newest_ids() -> frozenset[str]:
+    from ucm_patch.records import newest_eras
+
+    return frozenset(newest_eras(records()))
 
 
 # -- completeness ---------------------------------------------------------------------------
@@ -589,7 +613,9 @@ def verify(root: Path, label: str, kind: str) -> dict[str, Any]:
         "label": label,
         "kind": kind,
         "ci": kind in ("pypi-wheel", "pypi-sdist"),
-        "gated_as": str(checks.gated(label)),
+        "gated_as": "newest eras (untested-version)"
+        if is_main(label)
+        else str(checks.gated(label)),
         "facts": facts,
         "results": results,
         "completeness": completeness(tree, label),
@@ -606,7 +632,7 @@ def failures(entry: dict[str, Any]) -> list[str]:
 def _sort_key(label: str) -> tuple[Any, str]:
     from packaging.version import Version
 
-    return (Version(label.lstrip("v")), label)
+    return (Version("999999") if is_main(label) else Version(label.lstrip("v")), label)
 
 
 def load_data() -> dict[str, Any]:
@@ -636,6 +662,7 @@ SOURCE_TEXT = {
     "pypi-wheel": "PyPI wheel, **CI**",
     "pypi-sdist": "PyPI sdist, **CI**",
     "tag": "git tag, outside CI",
+    "main": "main branch at this commit, outside CI",
 }
 
 
@@ -685,7 +712,8 @@ def render_section(data: dict[str, Any]) -> str:
 
 
 def _section_body(data: dict[str, Any]) -> str:
-    versions = list(data["versions"].values())
+    # json.dumps(sort_keys=True) stores labels alphabetically ("v0.14.0rc1" after "0.23.0")
+    versions = [data["versions"][k] for k in sorted(data["versions"], key=_sort_key)]
     head = (
         "| vLLM-Ascend | source | "
         + " | ".join(r[0] for r in ROWS)
@@ -706,7 +734,11 @@ def _section_body(data: dict[str, Any]) -> str:
         "copy of one, every function marking a KV write is covered (or listed, with the "
         "reason, in `NOT_COVERED`). **CI** rows are the PyPI releases, downloaded and "
         "re-verified by `make test`; *outside CI* rows were verified against the public "
-        "source of the rc tag (`--git REPO --tag TAG`) and are kept in the data file.",
+        "source of the rc tag (`--git REPO --tag TAG`) and are kept in the data file. "
+        "A `main@<commit>` row is the public main branch at that commit (`--git REPO --main "
+        "COMMIT`): newer than every ceiling, so it is checked against the newest era of "
+        "each patch, the records `UCM_PATCH_ALLOW_UNTESTED` lets apply there; a ✗ in it is "
+        "a record that would stop at its apply-time check (`failed`, 'signature changed').",
         "",
         "Gating: every record requires `vllm-ascend` only. vLLM-Ascend X pairs vLLM X; when "
         "the installed major.minor differ (nightly images report a stale vLLM-Ascend "
@@ -733,8 +765,9 @@ def _section_body(data: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Not covered on purpose: " + _not_covered() + ". vLLM-Ascend 0.12 (rc only) and "
-        "releases from 0.26 are outside every range.",
+        "Not covered on purpose: " + _not_covered() + ". vLLM-Ascend 0.12 (rc only) is "
+        "outside every range; from 0.26 the newest eras are `untested-version` (off unless "
+        "allowed).",
         "",
         "GDN on an NPU host: vLLM's own `gdn_layerwise` eras are in range too, but vLLM-Ascend "
         "overwrites (0.13-0.18, 0.21+) or overrides (0.11, 0.19-0.20) the method they wrap, so "

@@ -133,12 +133,15 @@ def ascend_records(include_vllm_gdn: bool = False) -> list[Any]:
 def activate(include_vllm_gdn: bool = False) -> Registry:
     """A registry of the vLLM-Ascend records (and vLLM's GDN ones), activated now.
 
-    ``UCM_SCENARIO_OFF=name,...`` switches logical patches off (the control runs).
+    ``UCM_SCENARIO_OFF=name,...`` switches logical patches off (the control runs);
+    ``UCM_PATCH_ALLOW_UNTESTED`` is passed on (the main-branch runs).
     """
     layerwise.bind()
     off = [n for n in os.environ.get("UCM_SCENARIO_OFF", "").split(",") if n]
     registry = Registry(ascend_records(include_vllm_gdn))
-    registry.activate(patches=dict.fromkeys(off, False), env={}, strict=False)
+    # Only the opt-in for untested versions reaches the registry from the environment.
+    env = {k: v for k, v in os.environ.items() if k == "UCM_PATCH_ALLOW_UNTESTED"}
+    registry.activate(patches=dict.fromkeys(off, False), env=env, strict=False)
     return registry
 
 

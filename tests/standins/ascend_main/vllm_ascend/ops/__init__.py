@@ -1,0 +1,1 @@
+"""Stand-in vllm_ascend.ops (main)."""
