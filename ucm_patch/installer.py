@@ -25,7 +25,7 @@ import importlib
 import warnings
 from collections.abc import Callable
 
-from ucm_patch import guard, native, trampoline
+from ucm_patch import capture_break, guard, kernel_ledger, native, trampoline
 from ucm_patch.expect import apply_time_params
 from ucm_patch.records import Kind, PatchRecord
 from ucm_patch.typing_guard import TYPE_CHECKING
@@ -166,25 +166,31 @@ def install(
         record.make_wrapper(hooks=hooks) if hooks != record.hooks else record.make_wrapper()
     )
     method = isinstance(parent, type)
+    # vLLM's @eager_break_during_capture must stay outermost: wrap what it holds, decorate
+    # the wrapper again (see capture_break).
+    inner, redecorate = capture_break.split(original)
     cell = None
-    if not guard.guardable(original):
+    if not guard.guardable(inner):
         import wrapt  # here, not at import: see importhooks' docstring
 
         skip = record.skip_when
         enabled = None if skip is None else lambda: not skip()
-        wrapper = wrapt.FunctionWrapper(original, patch_wrapper, enabled=enabled)
+        wrapper = wrapt.FunctionWrapper(inner, patch_wrapper, enabled=enabled)
     else:
         cell = guard.CallCell()
         enabled = guard.make_enabled(cell, record.skip_when)
-        if trampoline.supports(original, method):
+        if trampoline.supports(inner, method):
             wrapper = trampoline.make_trampoline(
-                original, patch_wrapper, enabled, method, cell, on_call_failure, strict
+                inner, patch_wrapper, enabled, method, cell, on_call_failure, strict
             )
         else:
             import wrapt
 
-            guarded = guard.make_guard(patch_wrapper, cell, original, on_call_failure, strict)
-            wrapper = wrapt.FunctionWrapper(original, guarded, enabled=enabled)
+            guarded = guard.make_guard(patch_wrapper, cell, inner, on_call_failure, strict)
+            wrapper = wrapt.FunctionWrapper(inner, guarded, enabled=enabled)
+    if redecorate is not None:
+        setattr(wrapper, MARKER, record.id)
+        wrapper = redecorate(wrapper)
     setattr(wrapper, MARKER, record.id)
     library = None
     if record.kind is Kind.OP_KERNEL:
@@ -242,6 +248,13 @@ def _override_kernel(record: PatchRecord, kernel: Any) -> Any:
         # the layer's __init__ and reads the module global): the wrapper set on the module
         # attribute is what vLLM will register, so there is nothing to override.
         return None
+    # A kernel registered through @eager_break_during_capture (vLLM 0.28+ XPU GDN op) keeps
+    # it outermost: the wrapper is built around the module's undecorated function.
+    _, redecorate = capture_break.split(kernel_ledger.registered(record.op))
+    if redecorate is not None and not capture_break.is_capture_break(kernel):
+        marker = getattr(kernel, MARKER, None)
+        kernel = redecorate(kernel)
+        setattr(kernel, MARKER, marker)
     library = torch.library.Library(namespace, "IMPL")
     try:
         with warnings.catch_warnings():

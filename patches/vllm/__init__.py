@@ -6,11 +6,12 @@ wrappers bind vLLM when the registry applies them (the target module is imported
 
 from __future__ import annotations
 
-from ucm_patch.patches.vllm import gdn_layerwise, kv_ready_event, mla_bypass
+from ucm_patch.patches.vllm import gdn_layerwise, gdn_variants, kv_ready_event, mla_bypass
 from ucm_patch.records import PatchSet
 
 PATCH_SETS: tuple[PatchSet, ...] = (
     gdn_layerwise.PATCH_SET,
+    gdn_variants.PATCH_SET,
     kv_ready_event.PATCH_SET,
     mla_bypass.PATCH_SET,
 )

@@ -19,7 +19,8 @@ Sources are read with ``ast``, never imported, so one machine checks every relea
 
 A record is *broken* for a version inside its range when its target is missing (unless
 the record is optional), its leading parameters differ from its ``leading`` check, or
-(op-kernel records) the op is not registered with the target function.
+(op-kernel records) the op is not registered with the target function (or with vLLM's
+capture-breaking decorator around it).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from ucm_patch import capture_break
 from ucm_patch.expect import leading_params
 from ucm_patch.typing_guard import TYPE_CHECKING
 from ucm_patch.verify import sections
@@ -220,7 +222,9 @@ def verdict(
     if record.op:
         registered = facts["ops"].get(record.target)
         attr = record.qualname.rsplit(".", 1)[-1]
-        if registered != attr:
+        # vLLM 0.28+ may register ``eager_break_during_capture(f)``: still ``f``, and the
+        # installer keeps the decorator outermost around the wrapper (capture_break).
+        if registered not in (attr, f"{capture_break.DECORATOR}({attr})"):
             return BROKEN, f"op {record.op} registered with {registered!r}, not {attr!r}"
     return APPLIES, ""
 
