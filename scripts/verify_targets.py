@@ -14,7 +14,9 @@ engine is :mod:`ucm_patch.verify.vllm`; this is its command line):
   file, written into docs/PATCHES.md between ``<!-- verify-matrix:start -->`` and
   ``<!-- verify-matrix:end -->`` (the doc generator carries that section over).
 * ``--survey``: custom ops and layers of vLLM 0.22+ that own a KV cache and bypass
-  ``maybe_transfer_kv_layer``, written into the ``bypass-survey`` section.
+  ``maybe_transfer_kv_layer``, written into the ``bypass-survey`` section; and every KV-cache
+  write site of vLLM 0.33 for ``kv_ready_event`` (scripts/survey_kv_writes.py), written into
+  ``scripts/data/kv_write_sites.json`` and the ``kv-write-survey`` section.
 * ``--installed`` (default): the same check against the installed vLLM (located with
   ``importlib.util.find_spec``, not imported); exit status 1 if a record is broken.
   ``make test`` runs it through tests/test_patches_vllm_targets.py.
@@ -55,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
 
         verify.write_section("bypass-survey", survey_markdown(verify.SRC))
         print(f"wrote the bypass-survey section of {doc}")
+        import survey_kv_writes  # scripts/survey_kv_writes.py
+
+        sites = survey_kv_writes.write_data(verify.SRC)
+        verify.write_section(survey_kv_writes.SECTION, survey_kv_writes.survey_markdown(sites))
+        where = survey_kv_writes.DATA.relative_to(verify.REPO)
+        print(f"wrote {where} and the kv-write-survey section of {doc}")
     if args.installed:
         for rid, status, reason in verify.check_installed():
             print(f"{status:18} {rid} {reason}".rstrip())

@@ -33,7 +33,7 @@ States a record can end in (`ucm-patch status`, `UCM_PATCH_REPORT_DIR`):
 | `disabled` / `waiting-for-import` / `reverted` | switched off; not imported yet; undone |
 """
 
-CARRIED = ("verify-matrix", "bypass-survey", "ascend-matrix", "runtime-matrix")
+CARRIED = ("verify-matrix", "bypass-survey", "kv-write-survey", "ascend-matrix", "runtime-matrix")
 
 
 def _escape(text: str) -> str:

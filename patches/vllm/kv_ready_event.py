@@ -23,7 +23,9 @@ Where the KV cache is written, by version:
 * With the RoPE(+QK-norm)+KV-write fusion passes on (0.17.1+, mostly ROCm), fused ops
   replace ``unified_kv_cache_update`` in the graph; their kernels are overridden too.
 * Backends that still write inside ``forward`` on 0.16+ get no event from this patch; the
-  dumper keeps its fallback (current-stream event at save time).
+  dumper keeps its fallback (current-stream event at save time), exact there because the
+  write sits in the attention op vLLM saves right after. Every write site of 0.33 and why it
+  is or is not covered: scripts/survey_kv_writes.py, docs/PATCHES.md "KV-cache write survey".
 
 Event: CUDA / XPU / NPU ``torch.<device>.Event`` recorded on the current stream; CPU: a
 shared event that is always ready (the write is synchronous). One event per layer is
