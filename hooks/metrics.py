@@ -30,6 +30,9 @@ EVENT_SOURCE_NAMES: tuple[str, ...] = (
     "external",  # the caller supplied the event
 )
 
+#: Most dump-duration samples kept between two drains (the rest only reach the histogram).
+DURATION_SAMPLES_MAX = 8192
+
 #: Upper bounds (seconds) of the request wait-for-dump histogram buckets.
 WAIT_BUCKETS: tuple[float, ...] = (
     0.0001,
@@ -81,6 +84,8 @@ class DumpMetrics:
 
     __slots__ = (
         "bytes_written",
+        "dump_duration",
+        "dump_durations",
         "dumps_cancelled",
         "dumps_completed",
         "dumps_failed",
@@ -122,6 +127,10 @@ class DumpMetrics:
         self.event_handle_failed = 0  # raw handle extraction failed, fell back
         self.event_record_failed = 0  # current-stream record failed, fell back to sync
         self.request_wait = Histogram()  # finished -> all dumps done (seconds)
+        self.dump_duration = Histogram()  # one completed dump task in a worker (seconds)
+        # The same durations as samples, drained by the KV connector's per-step stats for
+        # vLLM's Prometheus histogram (bounded: DURATION_SAMPLES_MAX between two drains).
+        self.dump_durations: list[float] = []
         self.preempt_wait = Histogram()  # handle_preemptions blocking time (seconds)
         #: Callable returning (live owned, live borrowed) handles; set by the ledger.
         self.live_handles: Callable[[], tuple[int, int]] = _no_handles
@@ -132,13 +141,23 @@ class DumpMetrics:
         out: dict[str, Any] = {
             name: getattr(self, name)
             for name in self.__slots__
-            if name not in ("event_sources", "request_wait", "preempt_wait", "live_handles")
+            if name
+            not in (
+                "event_sources",
+                "request_wait",
+                "preempt_wait",
+                "dump_duration",
+                "dump_durations",
+                "live_handles",
+            )
         }
         out["event_sources"] = dict(zip(EVENT_SOURCE_NAMES, self.event_sources, strict=True))
         out["live_owned_handles"] = owned
         out["live_borrowed_handles"] = borrowed
         out["request_wait_count"] = self.request_wait.count
         out["request_wait_sum_s"] = self.request_wait.total
+        out["dump_duration_count"] = self.dump_duration.count
+        out["dump_duration_sum_s"] = self.dump_duration.total
         out["preempt_wait_count"] = self.preempt_wait.count
         out["preempt_wait_sum_s"] = self.preempt_wait.total
         return out
@@ -256,6 +275,7 @@ class _Collector:
                 "Time handle_preemptions blocked on dumps",
                 m.preempt_wait,
             ),
+            ("dump_duration_seconds", "Time a worker spent on one completed dump", m.dump_duration),
         ):
             yield HistogramMetricFamily(
                 f"ucm_patch_{name}", doc, buckets=hist.cumulative(), sum_value=hist.total

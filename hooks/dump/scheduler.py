@@ -46,7 +46,7 @@ from ucm_patch.hooks.dump.types import (
     Payload,
 )
 from ucm_patch.hooks.events import EventLedger, EventSource
-from ucm_patch.hooks.metrics import METRICS, DumpMetrics
+from ucm_patch.hooks.metrics import DURATION_SAMPLES_MAX, METRICS, DumpMetrics
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
 
@@ -508,6 +508,7 @@ class DumpScheduler:
                     return
                 continue
             status = FAILED
+            started = monotonic()  # worker thread: off the forward path
             try:
                 status = self._run(task)
             except StoreError as exc:
@@ -528,6 +529,7 @@ class DumpScheduler:
                 task.error = repr(exc)
                 logger.exception("unexpected error in dump worker (row %d)", task.row)
             finally:
+                task.duration = monotonic() - started
                 task.status = status
                 done.append(task)  # hand back: retired under _lock ...
                 if lock.acquire(False):  # ... here when the lock is free, never waiting
@@ -621,6 +623,9 @@ class DumpScheduler:
             if status == OK:
                 m.dumps_completed += 1
                 m.bytes_written += task.nbytes
+                m.dump_duration.observe(task.duration)
+                if len(m.dump_durations) < DURATION_SAMPLES_MAX:
+                    m.dump_durations.append(task.duration)
             elif status == CANCELLED:
                 m.dumps_cancelled += 1
             else:
@@ -636,6 +641,7 @@ class DumpScheduler:
             task.data = None
             task.error = ""
             task.nbytes = 0
+            task.duration = 0.0
             if batch is not None:
                 if status != OK:
                     batch.failed = True

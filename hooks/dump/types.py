@@ -64,6 +64,7 @@ class DumpTask:
     __slots__ = (
         "batch",
         "data",
+        "duration",
         "error",
         "event",
         "keys",
@@ -84,4 +85,5 @@ class DumpTask:
         self.source = NO_EVENT
         self.status = OK
         self.nbytes = 0
+        self.duration = 0.0  # seconds the worker spent on it (event wait + payload + put)
         self.error = ""

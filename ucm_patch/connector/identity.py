@@ -35,7 +35,8 @@ import os
 import time
 from typing import Any
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: its handler, level and format (``INFO mm-dd hh:mm:ss [file:line]``).
+logger = logging.getLogger(f"vllm.{__name__}")
 
 #: Bytes hashed at each of the three sample points of a weight file.
 SAMPLE_BYTES = 64 << 10

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm_patch.connector import counters as connector_stats
+from ucm_patch.connector import stats as connector_metrics
 from ucm_patch.connector.config import ConnectorConfig, parse_connector_config
 from ucm_patch.connector.layout import KVLayout
 from ucm_patch.connector.meta import UCMConnectorMetadata
@@ -51,7 +52,8 @@ try:  # vLLM >= 0.32
 except ImportError:  # pragma: no cover - older vLLM only has get_finished
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: its handler, level and format (``INFO mm-dd hh:mm:ss [file:line]``).
+logger = logging.getLogger(f"vllm.{__name__}")
 
 NAME = "UCMPatchConnector"
 _BASE_TAKES_KV_CACHE_CONFIG = (
@@ -135,6 +137,13 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
             # budget). The methods below remain the documented API.
             self.wait_for_layer_load = self._worker_side.wait_for_layer_load  # type: ignore[method-assign]
             self.save_kv_layer = self._worker_side.save_kv_layer  # type: ignore[method-assign]
+        # Deltas since the last report, for vLLM's connector stats (connector/stats.py):
+        # each side reports only what it counts itself.
+        self._reporter = (
+            connector_metrics.scheduler_reporter(self.store)
+            if role == KVConnectorRole.SCHEDULER
+            else connector_metrics.worker_reporter(self.store)
+        )
         logger.info(
             "UCMPatchConnector %s: %s, key fingerprint %s, %d row(s), group(s) %s",
             role.name.lower(),
@@ -154,6 +163,29 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a dropped dump is a later miss, never lost output."""
         return False
+
+    # -- metrics (vLLM's KV-connector stats path; see connector/stats.py) ----------------
+    def get_kv_connector_stats(self) -> Any:
+        """This side's counters since the last call (per step), None when nothing changed."""
+        data = self._reporter.report()
+        return connector_metrics.make_stats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return connector_metrics.make_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """``vllm:ucm_*`` families on the OpenAI server's ``/metrics`` (front-end process)."""
+        return connector_metrics.build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     def _side(self, side: Any, what: str) -> Any:
         if side is None:

@@ -58,7 +58,8 @@ from ucm_patch.connector.meta import (
 )
 from ucm_patch.hooks.stores.base import KVStore, StoreError
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: its handler, level and format (``INFO mm-dd hh:mm:ss [file:line]``).
+logger = logging.getLogger(f"vllm.{__name__}")
 
 NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
 LOOKUP_CHUNK_UNITS = 32

@@ -58,7 +58,8 @@ from ucm_patch.hooks.dump import Batch, DumpScheduler, get_scheduler
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import KVStore, StoreError
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: its handler, level and format (``INFO mm-dd hh:mm:ss [file:line]``).
+logger = logging.getLogger(f"vllm.{__name__}")
 
 # (request id, key, destination block ids) of one page to load
 _LoadJob = tuple[str, str, tuple[int, ...]]
