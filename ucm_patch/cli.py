@@ -38,8 +38,28 @@ def _status(args: argparse.Namespace) -> int:
             except ImportError as exc:
                 print(f"ucm-patch: cannot import {module}: {exc}", file=sys.stderr)
     rows = ucm_patch.report()
-    print(format_json(rows) if args.json else format_table(rows))
-    return 1 if any(r["state"] == "failed" for r in rows) else 0
+    failed = any(r["state"] == "failed" for r in rows)
+    if args.state:
+        wanted = _states(args.state)
+        rows = [r for r in rows if r["state"] in wanted]
+    if args.json:
+        print(format_json(rows))
+    else:
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        print(format_table(rows, wide=args.wide, color=color))
+    return 1 if failed else 0
+
+
+def _states(values: Sequence[str]) -> set[str]:
+    """``--state`` values (repeated or comma-separated), each a known record state."""
+    from ucm_patch.registry import State
+
+    known = {str(v) for k, v in vars(State).items() if not k.startswith("_")}
+    wanted = {s.strip() for v in values for s in v.split(",") if s.strip()}
+    bad = sorted(wanted - known)
+    if bad:
+        raise ConfigError(f"--state {', '.join(bad)}: not a record state; one of {sorted(known)}")
+    return wanted
 
 
 def _docs(args: argparse.Namespace) -> int:
@@ -64,6 +84,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="show every patch record and its state")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument(
+        "--wide", action="store_true", help="full targets, requires and installed versions"
+    )
+    st.add_argument(
+        "--state",
+        action="append",
+        default=[],
+        metavar="STATE[,STATE]",
+        help="only records in these states (applied, failed, native, untested-version, ...)",
+    )
     st.add_argument(
         "--import-targets",
         action="store_true",
