@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup models test lint docs demo bench clean matrix
+.PHONY: setup models test lint docs demo serve-demo bench clean matrix
 
 setup: $(STAMP)
 
@@ -54,6 +54,12 @@ test: $(STAMP) models lint
 
 demo: $(STAMP) models
 	$(PY) scripts/demo.py
+	$(PY) scripts/serve_demo.py
+
+# vLLM's OpenAI server with the plugin and the connector, restarted on the same store;
+# prints the hits and the vllm:ucm_* metrics it scraped (also the second half of `demo`).
+serve-demo: $(STAMP) models
+	$(PY) scripts/serve_demo.py
 
 bench: $(STAMP) models
 	$(PIP) install -q -e ".[bench]" $(QUIET)

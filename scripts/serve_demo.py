@@ -35,6 +35,9 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_PLUGINS": "ucm_patch",  # the general plugin: patches + connector registration
+    # The demo's servers live seconds: vLLM logs its stats (the connector's "KV Transfer
+    # metrics" line included) every second instead of every ten.
+    "VLLM_LOG_STATS_INTERVAL": "1",
 }
 
 

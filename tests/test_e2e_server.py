@@ -109,3 +109,11 @@ def test_connector_start_line_is_in_vllms_log_format(served: Any) -> None:
     line = next(x for x in log.splitlines() if "UCMPatchConnector worker: store=local(" in x)
     assert "INFO" in line and "[kv_connector.py:" in line and "load_mode=" in line
     assert "key fingerprint" in line
+
+
+def test_periodic_stats_line_in_vllms_logger(served: Any) -> None:
+    """vLLM's own periodic stats logger prints the connector's interval summary
+    (``UCMConnectorStats.reduce``), rate-limited to its logging interval."""
+    lines = [x for x in served["first"]["log"].splitlines() if "KV Transfer metrics:" in x]
+    assert lines, "no periodic connector stats line"
+    assert any("dumps_completed=" in x and "dump_bytes=" in x for x in lines), lines
