@@ -8,7 +8,8 @@ What is measured (MiB/s of payload, median and best of ``--repeat`` runs):
 
 * ``memcpy``: slice-assigning every value into one preallocated bytearray (the ceiling
   for a copy), and ``bytes()`` copies kept alive (allocation + copy, which is what a get
-  that returns ``bytes`` costs at least); ``crc32``: the checksum every read verifies.
+  that returns ``bytes`` costs at least); ``crc32`` / ``xxh3``: the frame checksum before
+  and now (every put computes it, every get verifies it).
 * ``local``: put_many / get_many in batches of ``--batch`` on a fresh directory, without
   and with fsync; reads are hot (page cache), as right after a dump.
 * ``mooncake``: the same through a Mooncake master + storage node on loopback. Mooncake
@@ -35,8 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ucm_patch.hooks.stores import framing
+
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
+XXH3 = framing.ALGO_XXH3
 
 
 def _rate(nbytes: int, fn: Callable[[], object]) -> float:
@@ -66,8 +70,14 @@ def bench_memcpy(values: list[bytes], repeat: int) -> dict[str, list[float]]:
     return {
         "memcpy into preallocated": [_rate(total, copy_into) for _ in range(repeat)],
         "memcpy alloc + copy (bytes)": [_rate(total, copy_alloc) for _ in range(repeat)],
-        "crc32 (checksum)": [
+        "crc32 (checksum, before)": [
             _rate(total, lambda: [zlib.crc32(v) for v in values]) for _ in range(repeat)
+        ],
+        "xxh3 (checksum written now)": [
+            _rate(
+                total, lambda: [framing.checksum(b"k", b"", v, framing.ALGO_XXH3) for v in values]
+            )
+            for _ in range(repeat)
         ],
     }
 
