@@ -82,8 +82,12 @@ def bench_memcpy(values: list[bytes], repeat: int) -> dict[str, list[float]]:
     }
 
 
-def _round(store: Any, items: list[tuple[str, bytes]], batch: int) -> tuple[float, float, list]:
-    """One put_many pass and one get_many pass over ``items``: (put MiB/s, get MiB/s, values)."""
+def _round(
+    store: Any, items: list[tuple[str, bytes]], batch: int
+) -> tuple[float, float, float, list]:
+    """One put_many pass, one get_many pass and one get_many_into pass (into one
+    preallocated buffer, as the connector's loads read) over ``items``: (put, get,
+    get_into MiB/s, values read both ways)."""
     total = sum(len(v) for _, v in items)
     keys = [k for k, _ in items]
     got: list = []
@@ -95,26 +99,39 @@ def _round(store: Any, items: list[tuple[str, bytes]], batch: int) -> tuple[floa
     for chunk in _batches(keys, batch):
         got.extend(store.get_many(chunk))  # kept alive, as a caller would
     get = total / MiB / (time.perf_counter() - started)
-    return put, get, got
+    arena = memoryview(bytearray(total))
+    bufs, off = [], 0
+    for _, v in items:
+        bufs.append(arena[off : off + len(v)])
+        off += len(v)
+    started = time.perf_counter()
+    for i in range(0, len(keys), batch):
+        if not all(store.get_many_into(keys[i : i + batch], bufs[i : i + batch])):
+            raise SystemExit("bench: get_many_into missed a value it just stored")
+    get_into = total / MiB / (time.perf_counter() - started)
+    if [bytes(b) for b in bufs] != got:
+        raise SystemExit("bench: get_many_into read other bytes than get_many")
+    return put, get, get_into, got
 
 
 def bench_store(
     make: Callable[[int], Any], values: list[bytes], batch: int, repeat: int, close: bool = True
 ) -> dict[str, list[float]]:
     """put_many then get_many of fresh keys per repeat; every value read back is checked."""
-    put, get = [], []
+    put, get, get_into = [], [], []
     for r in range(repeat):
         store = make(r)
-        put_rate, get_rate, got = _round(
+        put_rate, get_rate, into_rate, got = _round(
             store, [(f"bench/{r}/{i}", v) for i, v in enumerate(values)], batch
         )
         if got != values:
             raise SystemExit(f"bench: {type(store).__name__} returned wrong values (repeat {r})")
         put.append(put_rate)
         get.append(get_rate)
+        get_into.append(into_rate)
         if close:
             store.close()
-    return {"put": put, "get": get}
+    return {"put": put, "get": get, "get_into": get_into}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -174,14 +191,17 @@ def table(report: dict) -> str:
     lines = [
         f"{p['count']} values x {p['size']} bytes, batches of {p['batch']}, "
         f"{p['repeat']} repeats; MiB/s median / best",
-        f"{'path':34} {'put / copy':>17}   {'get':>17}",
+        f"{'path':34} {'put / copy':>17}   {'get':>17}   {'get into buffers':>17}",
     ]
     for name, ops in report["results"].items():
         if name == "memcpy":
             for what, xs in ops.items():
                 lines.append(f"{what:34} {fmt(xs)}")
         else:
-            lines.append(f"{name:34} {fmt(ops.get('put'))}   {fmt(ops.get('get'))}")
+            lines.append(
+                f"{name:34} {fmt(ops.get('put'))}   {fmt(ops.get('get'))}"
+                f"   {fmt(ops.get('get_into'))}"
+            )
     return "\n".join(lines)
 
 

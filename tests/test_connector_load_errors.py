@@ -32,7 +32,8 @@ from ucm_patch.connector.rows import RowLoader
 LOGGER = "ucm_patch.connector.worker_side"
 
 
-def _raise_runtime_error(_keys: object) -> list[bytes | None]:
+def _raise_runtime_error(*_args: object) -> list[bool]:
+    """In place of the store's page read (``get_many_into``, what loads use)."""
     raise RuntimeError("store exploded")
 
 
@@ -56,7 +57,7 @@ def test_store_raising_runtime_error_fails_the_layerwise_load_once_logged(
 ) -> None:
     h = Harness(UCMPatchConnector)
     prefill(h, "a", [1, 2, 3, 4])
-    monkeypatch.setattr(store, "get_many", _raise_runtime_error)
+    monkeypatch.setattr(store, "get_many_into", _raise_runtime_error)
     with caplog.at_level(logging.ERROR, logger=LOGGER):
         assert _layerwise_load(h, "b", [5, 6, 7, 8]) == {5, 6, 7}
         assert _layerwise_load(h, "c", [9, 10, 11, 12]) == {9, 10, 11}
@@ -95,7 +96,7 @@ def test_store_raising_runtime_error_fails_the_async_load_once_logged(
 ) -> None:
     h = Harness(UCMPatchConnector, {"load_mode": "async"})
     prefill(h, "a", [1, 2, 3, 4])
-    monkeypatch.setattr(store, "get_many", _raise_runtime_error)
+    monkeypatch.setattr(store, "get_many_into", _raise_runtime_error)
     with caplog.at_level(logging.ERROR, logger=LOGGER):
         _async_load(h, "b", [5, 6, 7, 8])
         _async_load(h, "c", [9, 10, 11, 12])
@@ -132,7 +133,7 @@ def test_failed_async_load_is_not_offered_again(
     fails every read (seen on real vLLM: the engine spun on one request)."""
     h = Harness(UCMPatchConnector, {"load_mode": "async"})
     prefill(h, "a", [1, 2, 3, 4])
-    monkeypatch.setattr(store, "get_many", _raise_runtime_error)
+    monkeypatch.setattr(store, "get_many_into", _raise_runtime_error)
     _async_load(h, "b", [5, 6, 7, 8])
     assert {r for s in h.failed_recv for r in s} == {"b"}
     assert h.sched.get_num_new_matched_tokens(Req("b", TOKENS), 0) == (0, False)

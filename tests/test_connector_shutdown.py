@@ -195,14 +195,15 @@ def _raise_value_error() -> None:
 
 # -- the connector's shutdown -----------------------------------------------------------
 def _held_get(store: ControlledLocalStore, gate: threading.Event, entered: threading.Event):
-    real = store.get_many
+    """The store's page read (``get_many_into``, what loads use) held at ``gate``."""
+    real = store.get_many_into
 
-    def get_many(keys: list[str]) -> list[bytes | None]:
+    def get_many_into(keys: list[str], buffers: list[memoryview]) -> list[bool]:
         entered.set()
         gate.wait()
-        return real(keys)
+        return real(keys, buffers)
 
-    return get_many
+    return get_many_into
 
 
 def test_connector_shutdown_returns_within_its_bound_while_a_load_hangs(
@@ -211,7 +212,7 @@ def test_connector_shutdown_returns_within_its_bound_while_a_load_hangs(
     h = Harness(UCMPatchConnector, {"load_mode": "async", "dump_exit_flush_s": BOUND_S})
     prefill(h, "a", [1, 2, 3, 4])
     gate, entered = threading.Event(), threading.Event()
-    monkeypatch.setattr(store, "get_many", _held_get(store, gate, entered))
+    monkeypatch.setattr(store, "get_many_into", _held_get(store, gate, entered))
     req = Req("b", TOKENS)
     assert h.sched.get_num_new_matched_tokens(req, 0)[1] is True  # an async hit
     h.sched.update_state_after_alloc(req, blocks([5, 6, 7, 8]), 12)

@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.support import load_script
-from ucm_patch.connector import stats as connector_metrics
+from ucm_patch.connector import vllm_metrics as connector_metrics
 
 pytestmark = pytest.mark.vllm
 

@@ -1,7 +1,7 @@
 """The Grafana dashboard (docs/grafana/ucm_patch_dashboard.json) queries only metrics that
 exist, and every ``vllm:ucm_*`` family has a panel (issue #17).
 
-The families are the ones ``ucm_patch.connector.stats`` registers (tests/test_e2e_server.py
+The families are the ones ``ucm_patch.connector.vllm_metrics`` registers (tests/test_e2e_server.py
 finds them on a real server's ``/metrics``); vLLM's own families the dashboard puts next
 to ours are listed here by name.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from ucm_patch.connector import stats
+from ucm_patch.connector import vllm_metrics as stats
 
 DASHBOARD = REPO / "docs" / "grafana" / "ucm_patch_dashboard.json"
 VLLM_FAMILIES = {"vllm:external_prefix_cache_hits"}  # vLLM's own, shown beside ours

@@ -52,3 +52,44 @@ def test_both_reject_a_flipped_bit_and_a_wrong_key(make: str) -> None:
     payload[1234] ^= 0x10
     with pytest.raises(framing.CorruptValue, match="checksum mismatch"):
         framing.verify(KEY, header, payload)
+
+
+# -- reading into caller buffers (issue #18: no bytes per value on the load path) ----------
+def test_local_store_reads_into_buffers_and_checks_them(tmp_path) -> None:
+    from ucm_patch.hooks.stores.local import LocalStore
+
+    store = LocalStore(str(tmp_path / "kv"), capacity_bytes=1 << 24)
+    a, b = os.urandom(4096), os.urandom(4096)
+    assert store.put_many([("a", a), ("b", b), ("small", b"x" * 10)]) == [True] * 3
+    out = bytearray(3 * 4096)
+    view = memoryview(out)
+    bufs = [view[0:4096], view[4096:8192], view[8192:12288]]
+    assert store.get_many_into(["a", "b", "missing"], bufs) == [True, True, False]
+    assert bytes(view[0:4096]) == a and bytes(view[4096:8192]) == b
+    assert store.get_many_into(["small"], [view[:4096]]) == [False]  # another size
+    # damage "a" on disk: rejected in the buffer, then dropped
+    path = next(
+        p
+        for p in (tmp_path / "kv").rglob("*")
+        if p.is_file()
+        and p.stat().st_size == 4096 + framing.HEADER_SIZE
+        and p.read_bytes()[framing.HEADER_SIZE :] == a
+    )
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert store.get_many_into(["a"], [view[0:4096]]) == [False]
+    assert store.get_many(["a"]) == [None] and store.stats["corrupt"] == 1
+    with pytest.raises(ValueError, match="2 keys for 1 buffers"):
+        store.get_many_into(["a", "b"], [view[0:4096]])
+    store.close()
+
+
+def test_default_get_many_into_copies_from_get_many() -> None:
+    from tests.support.fakes_store import FakeStore
+
+    store = FakeStore()
+    store.put_many([("k", b"abcd")])
+    buf = memoryview(bytearray(4))
+    assert store.get_many_into(["k", "nope"], [buf, memoryview(bytearray(4))]) == [True, False]
+    assert bytes(buf) == b"abcd"

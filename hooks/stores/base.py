@@ -69,5 +69,22 @@ class KVStore(ABC):
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """Presence per key."""
 
+    def get_many_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        """Read each key's value into the writable byte buffer of the same index; True per
+        buffer filled, False when the value is missing, corrupt or not that size (the
+        buffer's content is then undefined). Stores that can read in place override this
+        (the local store reads files straight into the buffers: no ``bytes`` per value);
+        this default copies from :meth:`get_many`."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"get_many_into: {len(keys)} keys for {len(buffers)} buffers")
+        out: list[bool] = []
+        for value, buf in zip(self.get_many(keys), buffers, strict=True):
+            if value is None or len(value) != len(buf):
+                out.append(False)
+                continue
+            buf[:] = value
+            out.append(True)
+        return out
+
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release connections / handles. Idempotent."""

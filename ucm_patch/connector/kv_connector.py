@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm_patch.connector import counters as connector_stats
-from ucm_patch.connector import stats as connector_metrics
+from ucm_patch.connector import vllm_metrics as connector_metrics
 from ucm_patch.connector.config import ConnectorConfig, parse_connector_config
 from ucm_patch.connector.layout import KVLayout
 from ucm_patch.connector.meta import UCMConnectorMetadata
@@ -137,7 +137,7 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
             # budget). The methods below remain the documented API.
             self.wait_for_layer_load = self._worker_side.wait_for_layer_load  # type: ignore[method-assign]
             self.save_kv_layer = self._worker_side.save_kv_layer  # type: ignore[method-assign]
-        # Deltas since the last report, for vLLM's connector stats (connector/stats.py):
+        # Deltas since the last report, for vLLM's connector stats (connector/vllm_metrics.py):
         # each side reports only what it counts itself.
         self._reporter = (
             connector_metrics.scheduler_reporter(self.store)
@@ -164,7 +164,7 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
         """A best-effort cache: a dropped dump is a later miss, never lost output."""
         return False
 
-    # -- metrics (vLLM's KV-connector stats path; see connector/stats.py) ----------------
+    # -- metrics (vLLM's KV-connector stats path; see connector/vllm_metrics.py) ----------------
     def get_kv_connector_stats(self) -> Any:
         """This side's counters since the last call (per step), None when nothing changed."""
         data = self._reporter.report()

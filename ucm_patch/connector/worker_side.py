@@ -428,28 +428,31 @@ class WorkerSide:
             raise RuntimeError("ucm connector: load before register_kv_caches")
         page = view.shape[1]
         failed: set[str] = set()
-        values = self.store.get_many([key for _rid, key, _dsts in jobs])
+        # The store reads each page straight into its row of one uninitialised host buffer
+        # (the local store: preadv, no bytes per value), then one index_copy_ writes them
+        # into their blocks: a single copy from the page cache to the KV cache on CPU.
+        host = torch.empty((len(jobs), page), dtype=torch.uint8)
+        rows = host.numpy()
+        ok = self.store.get_many_into(
+            [key for _rid, key, _dsts in jobs], [memoryview(rows[i]) for i in range(len(jobs))]
+        )
+        src: list[int] = []
         dst: list[int] = []
-        good: list[bytes] = []
-        for (rid, key, dsts), value in zip(jobs, values, strict=True):
-            if value is None or len(value) != page or not dsts:
+        for i, ((rid, key, dsts), good) in enumerate(zip(jobs, ok, strict=True)):
+            if not good or not dsts:
                 stats.bump("load_errors")
-                why = "missing or corrupt" if value is None else f"{len(value)} bytes"
-                if value is not None and not dsts:
-                    why = "no destination block"
+                why = "missing, corrupt or not one page" if not good else "no destination block"
                 self._warning_log.warning(
                     ("value", why[:7]), "ucm connector: cannot load %s for %s: %s", key, rid, why
                 )
                 failed.add(rid)
                 continue
             for d in dsts:
+                src.append(i)
                 dst.append(d)
-                good.append(value)
         if dst:
-            buf = bytearray(len(dst) * page)
-            for i, value in enumerate(good):
-                buf[i * page : (i + 1) * page] = value
-            host = torch.frombuffer(buf, dtype=torch.uint8).view(len(dst), page)
+            if src != list(range(len(jobs))):  # failed jobs, or a page for several blocks
+                host = host.index_select(0, torch.tensor(src, dtype=torch.long))
             idx = torch.tensor(dst, dtype=torch.long, device=view.device)
             view.index_copy_(0, idx, host.to(view.device))
             stats.bump("loaded_pages", len(dst))

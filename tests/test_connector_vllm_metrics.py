@@ -16,7 +16,7 @@ import prometheus_client
 import pytest
 
 from ucm_patch.connector import counters
-from ucm_patch.connector import stats as cs
+from ucm_patch.connector import vllm_metrics as cs
 from ucm_patch.hooks import metrics as dm
 
 
