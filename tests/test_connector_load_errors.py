@@ -29,7 +29,7 @@ from ucm_patch import connector
 from ucm_patch.connector import UCMPatchConnector
 from ucm_patch.connector.rows import RowLoader
 
-LOGGER = "ucm_patch.connector.worker_side"
+LOGGER = "vllm.ucm_patch.connector.worker_side"  # the connector logs under vLLM's logger
 
 
 def _raise_runtime_error(*_args: object) -> list[bool]:

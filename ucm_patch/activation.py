@@ -75,7 +75,8 @@ def activate(
     if debug:
         from ucm_patch.table import format_table
 
-        print(format_table(reg.report()), file=sys.stderr)
+        # every column, one line per record: a log to grep, not a terminal to fit
+        print(format_table(reg.report(), wide=True), file=sys.stderr)
     return reg
 
 

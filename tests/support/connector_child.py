@@ -303,11 +303,14 @@ class _ErrorLines(logging.Handler):
 def _break_gets() -> dict[str, Any]:
     from ucm_patch.hooks.stores.local import LocalStore
 
-    def exploding(self: Any, keys: Any) -> Any:
+    def exploding(self: Any, *args: Any) -> Any:
         raise RuntimeError("store exploded")
 
     LocalStore.get_many = exploding  # type: ignore[method-assign]
-    logging.getLogger("ucm_patch").addHandler(_ErrorLines(logging.ERROR))
+    LocalStore.get_many_into = exploding  # type: ignore[method-assign]  (what loads call)
+    # The connector logs under vLLM's logger ("vllm.ucm_patch..."), the rest under ucm_patch.
+    for name in ("ucm_patch", "vllm.ucm_patch"):
+        logging.getLogger(name).addHandler(_ErrorLines(logging.ERROR))
     return {"broken": True}
 
 
