@@ -29,7 +29,7 @@ from typing import Any
 from ucm_patch.connector import counters
 from ucm_patch.hooks import metrics as dump_metrics
 
-#: name -> (Prometheus documentation, side that reports it)
+#: counter name -> its Prometheus documentation (`vllm:ucm_<name>_total` on /metrics)
 COUNTERS: dict[str, str] = {
     "dumps_submitted": "Layer dumps handed to the dump scheduler.",
     "dumps_completed": "Layer dumps whose every page was stored.",
