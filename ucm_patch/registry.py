@@ -89,7 +89,6 @@ class RecordStatus:
         self.applied: installer.Applied | None = None
         self.hooked = False  # a post-import hook is registered for this activation
         self.warned = False  # the call-time failure WARNING was logged
-        self.newest = False  # the newest era of its patch (may apply past its ceiling)
         self.allow_untested = ""  # who allowed it past the ceiling ("" = nobody)
         self.past = ""  # why it applies past its ceiling (allowed), for the report
 
@@ -128,7 +127,10 @@ class Registry:
             if rec.id in self._status:
                 raise ValueError(f"duplicate patch record id {rec.id!r}")
             self._status[rec.id] = RecordStatus(rec)
-        _mark_newest(self._status.values())
+        # Ids of the newest era of each patch (the ones that may apply past their ceiling),
+        # computed at the first gate, not here: it parses every range, and ``import
+        # ucm_patch`` must stay cheap (and import no ``packaging``).
+        self._newest: frozenset[str] | None = None
         self.strict = False
         self.debug = False
         self.active = False
@@ -201,9 +203,13 @@ class Registry:
                 if not st.gated and st.state in (State.WAITING, State.DISABLED)
             ]
             versions = self._versions
+        newest = self._newest
+        if todo and newest is None:
+            newest = self._newest = frozenset(newest_eras(s.record for s in self._status.values()))
         for st in todo:
             # may read metadata: outside the lock
-            shown, reason, past = _gate(st.record, versions, st.newest and not st.record.retired)
+            is_newest = st.record.id in newest and not st.record.retired  # type: ignore[operator]
+            shown, reason, past = _gate(st.record, versions, is_newest)
             with self._lock:
                 if st.gated:
                     continue
@@ -384,13 +390,6 @@ def _fork_safe(registry: Registry) -> None:
     os.register_at_fork(
         before=before, after_in_parent=after_in_parent, after_in_child=after_in_child
     )
-
-
-def _mark_newest(statuses: Iterable[RecordStatus]) -> None:
-    statuses = list(statuses)
-    ids = newest_eras(st.record for st in statuses)
-    for st in statuses:
-        st.newest = st.record.id in ids
 
 
 def _applied_reason(st: RecordStatus, applied: installer.Applied) -> str:
