@@ -122,13 +122,16 @@ DECISIONS: dict[str, tuple[str, str]] = {
         "here (one more op-kernel row of kv_ready_event).",
     ),
     "vllm.model_executor.models.extract_hidden_states:unified_kv_cache_update": (
-        NO_SAVE,
-        "`extract_hidden_states` (hidden-state export for speculators): a cache-only layer "
-        "with its own op that stores hidden states, not attention KV. " + _NO_SAVE,
+        LEFT_OUT,
+        "`extract_hidden_states` (exports hidden states for training speculators): its own "
+        "op of the same name writes the hidden states into the cache-only layer's KV cache; "
+        "`dummy_attention` (`@maybe_transfer_kv_layer`) then saves that layer. Not attention "
+        "KV and not a serving path; an op-kernel row of `kv_ready_event` over this op would "
+        "cover it (layer name: argument 1).",
     ),
     "vllm.model_executor.models.extract_hidden_states:CacheOnlyAttentionLayer.forward": (
-        NO_SAVE,
-        "Calls the module's own `unified_kv_cache_update` above. " + _NO_SAVE,
+        LEFT_OUT,
+        "Calls the module's own `unified_kv_cache_update` above (same reason).",
     ),
     "vllm.models.deepseek_v32.attention:DeepseekV32Attention._sparse_indexer_and_attn": (
         NO_SAVE,
@@ -179,12 +182,9 @@ DECISIONS: dict[str, tuple[str, str]] = {
         ),
     ),
     "vllm.v1.attention.ops.paged_attn:PagedAttention.write_to_paged_cache": (
-        IN_SAVE_OP,
-        "ROCm's legacy paged path, called from `RocmAttentionImpl.forward`. "
-        + _IN_OP.replace(
-            " The impl class is built inside a factory function (no module attribute to wrap).",
-            "",
-        ),
+        TRANSITIVE,
+        "ROCm's native paged layout (block size 16 / 32), called from "
+        "`RocmAttentionImpl.do_kv_cache_update`. " + _BACKEND,
     ),
     "vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model.precompute_and_store_context_kv": (
         REWRITTEN,
