@@ -40,8 +40,17 @@ PRIMITIVES = frozenset(
         "precompute_and_store_context_kv",
     }
 )
+# Also a write: any call whose name contains these (Triton / CPU / ROCm variants of the
+# cache-write kernels), and these ops of single models (a second survey found them).
+PRIMITIVE_PARTS = ("reshape_and_cache", "concat_and_cache", "_kv_insert")
+MODEL_WRITE_OPS = frozenset({"populate_sink_kv", "hpc_rope_norm_forward", "fused_norm_rope"})
 # Modules that only bind kernels to Python names (the primitives themselves).
-BINDING_MODULES = ("vllm._custom_ops", "vllm._ipex_ops", "vllm._xpu_ops")
+BINDING_MODULES = ("vllm._custom_ops", "vllm._ipex_ops", "vllm._xpu_ops", "vllm._aiter_ops")
+# Modules that implement a primitive (their internal kernel launches are not sites).
+KERNEL_MODULES = (
+    "vllm.v1.attention.ops.triton_reshape_and_cache_flash",
+    "vllm.v1.attention.ops.int4_per_token_head",
+)
 
 COVERED = "covered"
 TRANSITIVE = "covered (runs inside a covered op)"
@@ -55,12 +64,15 @@ _BACKEND = (
     "A backend's `do_kv_cache_update`: called from `unified_kv_cache_update` (or the MLA op), "
     "whose wrapper records the event when it returns."
 )
+_IN_OP_NO_FACTORY = (
+    "The write sits inside the attention op vLLM's `maybe_transfer_kv_layer` saves right "
+    "after: the dumper's fallback, a current-stream event recorded at save time, follows it "
+    "with nothing of this layer in between."
+)
 _IN_OP = (
-    "The backend writes inside its own `forward` (`forward_includes_kv_cache_update`), i.e. "
-    "inside the attention op vLLM's `maybe_transfer_kv_layer` saves right after: the "
-    "dumper's fallback, a current-stream event recorded at save time, follows the write "
-    "with nothing of this layer in between, so an earlier event would gain nothing. The "
-    "impl class is built inside a factory function (no module attribute to wrap)."
+    "The backend writes inside its own `forward` (`forward_includes_kv_cache_update`). "
+    + _IN_OP_NO_FACTORY
+    + " The impl class is built inside a factory function (no module attribute to wrap)."
 )
 _NO_SAVE = (
     "This path makes no connector call at all (no `maybe_transfer_kv_layer`), so there is no "
@@ -175,11 +187,8 @@ DECISIONS: dict[str, tuple[str, str]] = {
     ),
     "vllm.v1.attention.backends.hpc_attn:HpcAttentionImpl.forward": (
         IN_SAVE_OP,
-        "HPC attention backend. "
-        + _IN_OP.replace(
-            " The impl class is built inside a factory function (no module attribute to wrap).",
-            "",
-        ),
+        "HPC attention backend: it writes inside its own `forward` "
+        "(`forward_includes_kv_cache_update`). " + _IN_OP_NO_FACTORY,
     ),
     "vllm.v1.attention.ops.paged_attn:PagedAttention.write_to_paged_cache": (
         TRANSITIVE,
@@ -245,7 +254,53 @@ DECISIONS: dict[str, tuple[str, str]] = {
     ),
     "vllm.models.qwen4_exp.amd.qsa:Qwen4ExpQSAAttention._run_qsa": (LEFT_OUT, _EXPERIMENTAL),
     "vllm.models.qwen4_exp.nvidia.qsa:Qwen4ExpQSAAttention._run_qsa": (LEFT_OUT, _EXPERIMENTAL),
+    "vllm.compilation.passes.fusion.mla_rope_kvcache_cat_fusion:"
+    "fused_rope_unified_mla_kv_cache_update_impl": (
+        COVERED,
+        "kv_ready_event@vllm-0.22-mla-rope-fused",
+    ),
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward": (
+        IN_SAVE_OP,
+        "The CPU backend's forward writes itself only on its own-write branch. "
+        + _IN_OP_NO_FACTORY,
+    ),
+    "vllm.platforms.cpu:CpuPlatform.pack_kv_cache": (
+        NOT_RUN,
+        "Repacks the CPU KV cache's layout once when the cache is created, before any "
+        "request: no dump to order.",
+    ),
+    "vllm.model_executor.layers.attention.static_sink_attention:StaticSinkAttention."
+    "populate_sink_kv": (
+        LEFT_OUT,
+        "openPangu's static sink tokens: their KV is written once when the layer is first "
+        "used, not per request, and they are not prefix-cache blocks.",
+    ),
+    "vllm.model_executor.layers.attention.static_sink_attention:maybe_populate_sink": (
+        LEFT_OUT,
+        "Calls `populate_sink_kv` above (same reason).",
+    ),
+    "vllm.model_executor.layers.hpc.rope_norm:HpcRopeNorm.forward_cuda": (
+        LEFT_OUT,
+        "HunYuan-V3 with the HPC attention backend (CUDA only, one model): its fused RoPE + "
+        "norm + KV write op `vllm::hpc_rope_norm_forward` (layer name: argument 2) would be "
+        "one more op-kernel row of `kv_ready_event`.",
+    ),
+    "vllm.models.deepseek_v32.attention:DeepseekV32Attention.forward": (
+        NO_SAVE,
+        "DeepSeek-V3.2's `fused_norm_rope` writes the latent KV. " + _NO_SAVE,
+    ),
+    "vllm.models.deepseek_v32.amd.rocm:DeepseekV32MLAAttention._fused_attention": (
+        NO_SAVE,
+        "The ROCm twin of DeepSeek-V3.2's attention. " + _NO_SAVE,
+    ),
+    "vllm.models.kimi_k3.amd.mla:KimiK3MultiHeadLatentAttentionWrapper._fused_decode": (
+        IN_SAVE_OP,
+        "Kimi-K3 MLA on ROCm: `mla_bypass@vllm-0.32-kimi-k3-amd` saves when this method "
+        "returns, so the save-time event follows the write with nothing in between.",
+    ),
 }
+for _family in ("deepseek_v4", "deepseek_v41", "minimax_m3", "muse_spark"):
+    DECISIONS[f"vllm.models.{_family}."] = (LEFT_OUT, _EXPERIMENTAL)
 for _prefix in (
     "vllm.compilation.passes.fusion.mla_rope_kvcache_cat_fusion:MLARoPEKVCacheCatPattern.pattern.",
     "vllm.compilation.passes.fusion.qk_norm_rope_kvcache_fusion:QkNormRopeKvCachePattern.",
@@ -269,7 +324,7 @@ def find_sites(root: Path) -> list[dict[str, Any]]:
         if parts[-1] == "__init__":
             parts.pop()
         module = ".".join(parts)
-        if module in BINDING_MODULES:
+        if module in BINDING_MODULES or module in KERNEL_MODULES:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
         _visit(tree, module, [], out)
@@ -284,10 +339,17 @@ def _visit(node: ast.AST, module: str, qual: list[str], out: list[dict[str, Any]
         if isinstance(child, ast.Call):
             fn = child.func
             name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
-            if name in PRIMITIVES:
+            if is_write(name):
                 site = f"{module}:{'.'.join(qual) or '<module>'}"
                 out.append({"site": site, "call": name, "line": child.lineno})
         _visit(child, module, qual, out)
+
+
+def is_write(name: str | None) -> bool:
+    """Whether a call of ``name`` writes a KV cache (:data:`PRIMITIVES` and relatives)."""
+    if not name:
+        return False
+    return name in PRIMITIVES or name in MODEL_WRITE_OPS or any(p in name for p in PRIMITIVE_PARTS)
 
 
 def decision(site: str) -> tuple[str, str] | None:
@@ -295,7 +357,11 @@ def decision(site: str) -> tuple[str, str] | None:
     if site in DECISIONS:
         return DECISIONS[site]
     prefixes = [k for k in DECISIONS if k.endswith((".", ":")) and site.startswith(k)]
-    return DECISIONS[max(prefixes, key=len)] if prefixes else None
+    if prefixes:
+        return DECISIONS[max(prefixes, key=len)]
+    if site.startswith("vllm.v1.attention.backends.") and site.endswith(".do_kv_cache_update"):
+        return (TRANSITIVE, _BACKEND)  # every backend's write method, called by the op
+    return None
 
 
 # -- data and docs -----------------------------------------------------------------------------
@@ -326,7 +392,12 @@ def survey_markdown(data: dict[str, Any]) -> str:
         "kv_write_sites.json; tests/test_kv_write_survey.py fails on a site with no "
         "decision or a stale section. -->",
         "",
-        "Every call of a KV-write primitive (`" + "`, `".join(sorted(PRIMITIVES)) + "`) in "
+        "Every call of a KV-write primitive (`" + "`, `".join(sorted(PRIMITIVES)) + "`; "
+        "any call whose name contains `"
+        + "`, `".join(PRIMITIVE_PARTS)
+        + "`; and `"
+        + "`, `".join(sorted(MODEL_WRITE_OPS))
+        + "`) in "
         f"vLLM {data['version']}, found with `ast`, by enclosing function, and whether "
         "`kv_ready_event` publishes the layer's KV-ready event after it. *covered*: a "
         "`kv_ready_event` record wraps it; *fallback is exact*: the write sits inside the "

@@ -72,10 +72,15 @@ def test_the_finder_sees_nested_and_attribute_calls_only_outside_bindings(tmp_pa
         "    return ops.reshape_and_cache_flash(x)\n"
         "def unrelated():\n"
         "    return ops.paged_attention(1)\n"
+        "def triton_path(k):\n"
+        "    triton_reshape_and_cache_flash_diffkv(k)\n"  # a relative of a primitive
+        "    fused_x_qknorm_rope_kv_insert(k)\n"
     )
     (root / "_custom_ops.py").write_text("def f():\n    torch.ops._C.reshape_and_cache(1)\n")
     sites = survey.find_sites(root)
     assert [(s["site"], s["call"]) for s in sites] == [
         ("vllm.layers.attn:make.Impl.forward", "do_kv_cache_update"),
         ("vllm.layers.attn:reshape_and_cache", "reshape_and_cache_flash"),
+        ("vllm.layers.attn:triton_path", "triton_reshape_and_cache_flash_diffkv"),
+        ("vllm.layers.attn:triton_path", "fused_x_qknorm_rope_kv_insert"),
     ]
