@@ -185,15 +185,15 @@ class EventLedger:
             return None, False, _SYNC
         return event, True, _STREAM
 
-    def count_locked(self, owned: bool, source: int) -> None:
-        """Account an event from :meth:`resolve` as live (caller holds :attr:`lock`)."""
-        self._sources[source] += 1
+    def count_locked(self, owned: bool, source: int, n: int = 1) -> None:
+        """Account ``n`` events from :meth:`resolve` as live (caller holds :attr:`lock`)."""
+        self._sources[source] += n
         if owned:
-            self.live_owned += 1
+            self.live_owned += n
         elif source != _SYNC and source != _NONE:
-            self.live_borrowed += 1
+            self.live_borrowed += n
         if source in self._missing_sources:
-            self.metrics.event_expected_missing += 1
+            self.metrics.event_expected_missing += n
 
     def _usable(self, event: Any) -> bool:
         try:

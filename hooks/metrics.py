@@ -101,6 +101,7 @@ class DumpMetrics:
         "preempt_wait",
         "queue_depth",
         "queue_depth_max",
+        "refresh",
         "request_wait",
         "requests_failed",
         "requests_finished",
@@ -134,9 +135,13 @@ class DumpMetrics:
         self.preempt_wait = Histogram()  # handle_preemptions blocking time (seconds)
         #: Callable returning (live owned, live borrowed) handles; set by the ledger.
         self.live_handles: Callable[[], tuple[int, int]] = _no_handles
+        #: Callable that brings the counters up to date before they are read: the dump
+        #: scheduler's (it folds its lock-free per-client submit counts); set by it.
+        self.refresh: Callable[[], None] = _nothing
 
     def snapshot(self) -> dict[str, Any]:
         """All values as a plain dict (for tests, benchmarks and reports)."""
+        self.refresh()
         owned, borrowed = self.live_handles()
         out: dict[str, Any] = {
             name: getattr(self, name)
@@ -149,6 +154,7 @@ class DumpMetrics:
                 "dump_duration",
                 "dump_durations",
                 "live_handles",
+                "refresh",
             )
         }
         out["event_sources"] = dict(zip(EVENT_SOURCE_NAMES, self.event_sources, strict=True))
@@ -165,6 +171,10 @@ class DumpMetrics:
 
 def _no_handles() -> tuple[int, int]:
     return (0, 0)
+
+
+def _nothing() -> None:
+    return None
 
 
 #: The process-wide metrics object the per-worker scheduler singleton uses.
@@ -207,6 +217,8 @@ class _Collector:
             GaugeMetricFamily,
             HistogramMetricFamily,
         )
+
+        self.m.refresh()
 
         m = self.m
         counters = (

@@ -110,6 +110,73 @@ def _apply_cpu_op_record(obj: Any) -> Any:
     return module.cpu_gdn_attention_core
 
 
+def _best_ns(fn: Any, calls: int = 48, repeat: int = 300) -> float:
+    """Fastest of ``repeat`` loops of ``calls`` calls, per call (timeit: the floor)."""
+    import timeit
+
+    return min(timeit.repeat(fn, number=calls, repeat=repeat)) / calls * 1e9
+
+
+def profile(
+    conn: Any, sched: Any, kernel: Any, encoded: list[Any], x: Any, metadata: Any, drain: Any
+) -> dict[str, float]:
+    """Where the per-layer time of "GDN kernel wrapper -> connector, with a dump" goes:
+    each piece of the path timed alone (fastest loop, ns per call), and the unit they are
+    made of, one Python call, on this machine. The wrapper path runs ten Python frames:
+    trampoline, layer bracket, has_connector_metadata, wait_for_layer_load, shim, the
+    kernel, save_kv_layer, submit_layer, EventLedger.resolve, the event's record."""
+    from ucm_patch import guard, trampoline
+    from ucm_patch.hooks import layerwise
+
+    def five(a: Any, b: Any, c: Any, d: Any, e: Any) -> None:
+        return None
+
+    def passthrough(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        return wrapped(*args, **kwargs)
+
+    cell = guard.CallCell()
+    enabled = guard.make_enabled(cell, layerwise.idle)
+    tramp = trampoline.make_trampoline(
+        _kernel, passthrough, enabled, False, cell, lambda exc: None, lambda: False
+    )
+    name, e0 = LAYERS[0], encoded[0]
+    parts: dict[str, float] = {}
+    parts["empty loop"] = _best_ns(lambda: None)
+    parts["Python call, 5 arguments (the unit)"] = _best_ns(lambda: five(x, x, x, x, e0))
+    parts["trampoline + guard around a pass-through wrapper"] = _best_ns(
+        lambda: tramp(x, x, x, x, e0)
+    )
+    md = metadata(True)
+    conn.bind_connector_metadata(md)
+    conn.start_load_kv(None)
+    parts["connector.has_connector_metadata"] = _best_ns(conn.has_connector_metadata)
+    parts["connector.wait_for_layer_load, nothing loading"] = _best_ns(
+        lambda: conn.wait_for_layer_load(name)
+    )
+    ledger, pool = sched.events, sched.device.free_events
+
+    def resolve() -> None:
+        pool.append(ledger.resolve(name, None)[0])
+
+    parts["EventLedger.resolve (+ list append to give the event back)"] = _best_ns(resolve)
+    batch = conn._worker_side._batch
+    keys, produce = next(p for p in conn._worker_side._row_plans if p is not None)
+    per_call: list[int] = []
+    pc = time.perf_counter_ns
+    for _ in range(50):
+        drain()
+        for i in range(48):
+            t0 = pc()
+            sched.submit_layer(batch, LAYERS[i], None, i, keys, produce)
+            per_call.append(pc() - t0)
+    parts["DumpScheduler.submit_layer (resolve + enqueue)"] = float(min(per_call))
+    conn.wait_for_save()
+    drain()
+    conn.get_finished(set(md.dumps))
+    conn.clear_connector_metadata()
+    return parts
+
+
 def run(steps: int, requests: int, blocks: int) -> dict[str, Any]:
     import torch
     from vllm.distributed.kv_transfer import kv_transfer_state
@@ -247,6 +314,12 @@ def run(steps: int, requests: int, blocks: int) -> dict[str, Any]:
     expected = (20 * 2 + steps * 2) * len(LAYERS)  # warm-up + timed dump steps, 2 paths
     if dumps < expected:
         raise RuntimeError(f"only {dumps} of {expected} dumps completed: a path did not submit")
+    with override_forward_context(fc):  # type: ignore[arg-type]
+        kv_transfer_state._KV_CONNECTOR_AGENT = conn
+        try:
+            parts = profile(conn, sched, kernel, encoded, x, metadata, drain)
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = saved
     bare = statistics.median(m for m, _ in per["bare function"])
     bare_mean = statistics.median(a for _, a in per["bare function"])
     for name, xs in per.items():
@@ -268,6 +341,7 @@ def run(steps: int, requests: int, blocks: int) -> dict[str, Any]:
         "dumps_completed": dumps,
         "budget_ns": BUDGET_NS,
         "paths": results,
+        "profile": parts,
     }
 
 
@@ -317,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
+    print("where the time goes (each piece alone, fastest loop, ns per call):")
+    print(bc.table(("piece", "ns"), [(k, f"{v:.0f}") for k, v in res["profile"].items()]))
     print(f"written: {path}")
     return 0
 

@@ -184,10 +184,11 @@ def plot_stores(d: dict[str, Any], path: Path) -> None:
             continue
         names.append(name)
         puts.append(statistics.median(ops["put"]))
-        gets.append(statistics.median(ops["get"]))
+        # What loads use (into buffers); rows without it (older results) show get_many.
+        gets.append(statistics.median(ops.get("get_into") or ops["get"]))
     y = list(range(len(names)))
     ax.barh([i - 0.2 for i in y], puts, height=0.4, label="put")
-    ax.barh([i + 0.2 for i in y], gets, height=0.4, label="get")
+    ax.barh([i + 0.2 for i in y], gets, height=0.4, label="get into buffers")
     ax.set_yticks(y, names)
     colors = ("r", "m", "k")
     for (what, xs), c in zip(res["memcpy"].items(), colors, strict=False):

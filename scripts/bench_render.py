@@ -189,8 +189,10 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                         )
                     )
                 else:
-                    rows.append((f"{name} (G2)", "<= 1.5 us per layer", measured,
-                                 _verdict(added <= 1500)))  # fmt: skip
+                    verdict = _verdict(added <= 1500)
+                    if added > 1500 and dump["results"].get("profile"):
+                        verdict += ": limit named in the profile of section 1"
+                    rows.append((f"{name} (G2)", "<= 1.5 us per layer", measured, verdict))
     step = data.get("step")
     if step:
         for r in step["results"].values():
@@ -252,17 +254,87 @@ def summary_table(data: dict[str, Any]) -> list[str]:
     if tt and "ucm" in tt["results"] and "error" not in tt["results"]["ucm"]:
         r = tt["results"]["ucm"]
         lo, hi = r["speedup_hit_ci95"]
+        ceiling = ttft_ceiling(r)
+        verdict = _verdict(r["speedup_hit"] >= TTFT_TARGET)
+        if r["speedup_hit"] < TTFT_TARGET and ceiling < TTFT_TARGET:
+            verdict += (
+                f": the ceiling of this workload on this CPU is {ceiling:.2f}x "
+                "(section 4), below the target"
+            )
         rows.append(
             (
                 f"TTFT, {tt['params']['hit_share'] * 100:.0f} % prefix hit vs recompute",
-                ">= 3x",
-                f"{r['speedup_hit']:.2f}x (95% CI {lo:.2f}-{hi:.2f})",
-                _verdict(r["speedup_hit"] >= 3.0),
+                f">= {TTFT_TARGET:g}x",
+                f"{r['speedup_hit']:.2f}x (95% CI {lo:.2f}-{hi:.2f}); ceiling {ceiling:.2f}x, "
+                f"ours {100 * r['speedup_hit'] / ceiling:.0f} % of it",
+                verdict,
             )
         )
+    rows += store_targets(data.get("stores"))
     out = ["| metric | target | measured | |", "|---|---|---|---|"]
     out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return out
+
+
+TTFT_TARGET = 4.0
+#: Store targets as shares of the memcpy ceiling of the same run (issue #18).
+LOCAL_TARGET, MOONCAKE_TARGET = 0.50, 0.25
+
+
+def ttft_ceiling(r: dict[str, Any]) -> float:
+    """Recompute over the hit served by vLLM's own prefix cache (no load at all, same
+    process): what any connector's hit could reach at most on this machine."""
+    return r["ms"]["recompute"] / r["ms"]["vllm_prefix_cache"]
+
+
+def _median(xs: list[float] | None) -> float | None:
+    import statistics
+
+    return statistics.median(xs) if xs else None
+
+
+def store_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
+    """Summary rows of the store targets: each path as a share of memcpy in the same run,
+    next to the ceiling row that bounds it (the file system, Mooncake's own client)."""
+    if not d:
+        return []
+    res = d["results"]
+    mem = _median(res["memcpy"]["memcpy into preallocated"])
+    assert mem is not None
+
+    def share(name: str, op: str) -> float | None:
+        v = _median(res.get(name, {}).get(op))
+        return None if v is None else v / mem
+
+    rows: list[tuple[str, str, str, str]] = []
+
+    def target(label: str, path: str, op: str, goal: float, ceiling: tuple[str, str]) -> None:
+        got = share(path, op)
+        if got is None:
+            return
+        limit = share(ceiling[0], op)
+        measured = f"{100 * got:.0f} %" + (
+            "" if limit is None else f" (ceiling, {ceiling[1]}: {100 * limit:.0f} %)"
+        )
+        verdict = _verdict(got >= goal)
+        if got < goal and limit is not None and limit < goal:
+            verdict += f": the ceiling itself is below {100 * goal:.0f} % (section 5)"
+        rows.append((label, f">= {100 * goal:.0f} % of memcpy", measured, verdict))
+
+    fs = ("file system (ceiling of local)", "a new file per value, nothing of ours")
+    mc = "mooncake (TCP loopback, node)"
+    mcc = ("mooncake client (ceiling)", "Mooncake's own batch calls")
+    target("local put", "local", "put", LOCAL_TARGET, fs)
+    target("local get into buffers (what loads use)", "local", "get_into", LOCAL_TARGET, fs)
+    fsync = share("local (fsync)", "put")
+    if fsync is not None:
+        rows.append(("local put with fsync", "report", f"{100 * fsync:.0f} %", "(information)"))
+    target("Mooncake put, TCP loopback", mc, "put", MOONCAKE_TARGET, mcc)
+    target("Mooncake get into buffers, TCP loopback", mc, "get_into", MOONCAKE_TARGET, mcc)
+    if mc in res:
+        rows.append(("Mooncake over RDMA", ">= 25 % of memcpy", "not measurable here (no RDMA "
+                     "device on this machine)", "(not measured)"))  # fmt: skip
+    return rows
 
 
 def section_hooks(data: dict[str, Any]) -> list[str]:
@@ -391,6 +463,7 @@ def section_hooks(data: dict[str, Any]) -> list[str]:
             "for the device at those moments.",
             "",
         ]
+        lines += dump_profile(res)
     if hooks or dump:
         lines += ["![hook overhead](img/hooks.png)", ""]
     if core:
@@ -401,6 +474,36 @@ def section_hooks(data: dict[str, Any]) -> list[str]:
             "",
         ]
     return lines
+
+
+def dump_profile(res: dict[str, Any]) -> list[str]:
+    """The G2 profile: each piece of the wrapper -> connector path timed alone."""
+    parts = res.get("profile")
+    if not parts:
+        return []
+    unit = parts["Python call, 5 arguments (the unit)"] - parts["empty loop"]
+    paths = res["paths"]
+    wrapper = paths["GDN kernel wrapper -> connector, with a dump"]["added_ns"]
+    return [
+        "**Profile of the GDN save path (goal G2, <= 1.5 us).** Each piece alone (fastest",
+        "of 300 loops, ns per call; `bench_dump_hook.profile`):",
+        "",
+        bc.table(("piece", "ns per call"), [(k, f"{v:.0f}") for k, v in parts.items()]),
+        "",
+        f"The path with a dump adds {wrapper:.0f} ns: ten Python frames (trampoline, layer",
+        "bracket, `has_connector_metadata`, `wait_for_layer_load`, shim, the kernel,",
+        "`save_kv_layer`, `submit_layer`, `EventLedger.resolve`, the event's `record`) and",
+        "the attribute loads, compares and counter updates between them, with no lock,",
+        "allocation, import or log line left (`tests/test_hot_paths.py`). A call with five",
+        f"arguments costs {unit:.0f} ns over an empty loop on this CPU; the trampoline and",
+        f"guard alone cost {parts['trampoline + guard around a pass-through wrapper']:.0f} ns,",
+        "the enqueue with its event (`submit_layer`) "
+        f"{parts['DumpScheduler.submit_layer (resolve + enqueue)']:.0f} ns. The limit is the",
+        "interpreter's cost per operation here, not waiting, locking or copying. Below",
+        "1.5 us on this machine would take fusing frames (the bracket generated into the",
+        "trampoline, dropping the guard's shim) or moving the submit into C.",
+        "",
+    ]
 
 
 def section_step(data: dict[str, Any]) -> list[str]:
@@ -651,7 +754,7 @@ def section_ttft(data: dict[str, Any]) -> list[str]:
                 "cold ms",
                 "recompute ms",
                 "80 % hit ms (tokens cached)",
-                "speed-up (>= 3x)",
+                "speed-up (>= 4x)",
                 "replay ms (cached)",
                 "vLLM prefix cache ms (cached)",
                 "note",
@@ -665,10 +768,39 @@ def section_ttft(data: dict[str, Any]) -> list[str]:
         "and the load competes with that compute for the same two cores, so the speed-up",
         "ceiling is lower than on a GPU where the load is a DMA.",
         "",
+        *ttft_profile(d),
         "![TTFT](img/ttft.png)",
         "",
     ]
     return lines
+
+
+def ttft_profile(d: dict[str, Any]) -> list[str]:
+    """Where the hit's time goes: the tail's own compute (vLLM's prefix cache serving the
+    same prefix with no load) and what the connector adds on top of it."""
+    r = d["results"].get("ucm")
+    if not r or "error" in r:
+        return []
+    ms, p = r["ms"], d["params"]
+    ceiling = ttft_ceiling(r)
+    tail = ms["vllm_prefix_cache"]
+    added = ms["hit"] - tail
+    tokens = p["prompt_len"] - p["shared_tokens"]
+    return [
+        f"**Ceiling and profile (target >= {TTFT_TARGET:g}x).** The best any connector can do",
+        "here is vLLM's own prefix cache serving the same prefix with no load at all (same",
+        f"process, same tail length): {tail:.0f} ms against {ms['recompute']:.0f} ms to",
+        f"recompute, a ceiling of **{ceiling:.2f}x**. That time is the compute of the",
+        f"{tokens} new tokens with attention over all {p['prompt_len']}: "
+        f"{100 * tokens / p['prompt_len']:.0f} % of the tokens cost "
+        f"{100 * tail / ms['recompute']:.0f} % of the recompute. Our hit takes "
+        f"{ms['hit']:.0f} ms, {added:+.0f} ms over that ceiling (the lookup, reading",
+        f"{p['shared_tokens']} tokens' pages from the store and writing them into the KV",
+        f"cache): {100 * r['speedup_hit'] / ceiling:.0f} % of the ceiling. On this CPU the",
+        f"target is above the ceiling{' ' if ceiling < TTFT_TARGET else ' not '}",
+        "and the remaining time is the model's own compute of the tail, not the connector.",
+        "",
+    ]
 
 
 def section_stores(data: dict[str, Any]) -> list[str]:
@@ -690,27 +822,53 @@ def section_stores(data: dict[str, Any]) -> list[str]:
         "namespace.",
         "",
     ]
+
+    def cell(ops: dict[str, list[float]], op: str) -> str:
+        xs = ops.get(op)
+        return f"{statistics.median(xs):.0f} / {max(xs):.0f}" if xs else ""
+
+    def pct(ops: dict[str, list[float]], op: str) -> str:
+        xs = ops.get(op)
+        return f"{100 * statistics.median(xs) / ceiling:.0f} %" if xs else ""
+
     rows = []
     for what, xs in res["memcpy"].items():
-        rows.append((what, f"{statistics.median(xs):.0f} / {max(xs):.0f}", "", "", ""))
+        rows.append((what, f"{statistics.median(xs):.0f} / {max(xs):.0f}", "", "", "", ""))
     for name, ops in res.items():
         if name == "memcpy":
             continue
-        put, get = statistics.median(ops["put"]), statistics.median(ops["get"])
+        shares = " / ".join(pct(ops, op) or "-" for op in ("put", "get", "get_into"))
+        get = _median(ops.get("get"))
         rows.append(
             (
                 name,
-                f"{put:.0f} / {max(ops['put']):.0f}",
-                f"{get:.0f} / {max(ops['get']):.0f}",
-                f"{100 * put / ceiling:.0f} % / {100 * get / ceiling:.0f} %",
-                f"{100 * get / alloc:.0f} %",
+                cell(ops, "put"),
+                cell(ops, "get"),
+                cell(ops, "get_into"),
+                shares,
+                "" if get is None else f"{100 * get / alloc:.0f} %",
             )
         )
     lines += [
         bc.table(
-            ("path", "put (or copy)", "get", "put / get vs memcpy ceiling", "get vs alloc+copy"),
+            (
+                "path",
+                "put (or copy)",
+                "get (bytes)",
+                "get into buffers",
+                "put / get / get into vs memcpy",
+                "get vs alloc+copy",
+            ),
             rows,
         ),
+        "",
+        "The two ceiling rows bound the rows above them. `file system`: a new file per value",
+        "(open, writev, close) and `preadv` back, nothing of ours: a put allocates the new",
+        "file's pages in the page cache, and once dirty pages pile up the kernel throttles",
+        "writers to the disk's write-back rate (hence median far below best). `mooncake",
+        "client`: Mooncake's own `batch_put_from` / `batch_get_into` on one registered buffer",
+        "already holding the values (no framing, no staging copy): the TCP transfer itself.",
+        "RDMA cannot be measured here (no device).",
         "",
         "![stores](img/stores.png)",
         "",

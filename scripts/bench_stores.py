@@ -12,9 +12,17 @@ What is measured (MiB/s of payload, median and best of ``--repeat`` runs):
   and now (every put computes it, every get verifies it).
 * ``local``: put_many / get_many in batches of ``--batch`` on a fresh directory, without
   and with fsync; reads are hot (page cache), as right after a dump.
+* ``file system (ceiling of local)``: what the kernel does for the local store's layout
+  with nothing of ours around it: one new file per value (open, writev, close), then
+  ``preadv`` back into buffers, in the same directory kind and run. A new file's pages
+  are allocated in the page cache as they are written; that, not the store, is the limit
+  of a put (``local`` is compared with it in docs/BENCHMARKS.md).
 * ``mooncake``: the same through a Mooncake master + storage node on loopback. Mooncake
   clients listen on 0.0.0.0, so when ``MOONCAKE_MASTER`` is not set the whole benchmark
   re-runs itself under ``scripts/mooncake_netns.sh`` (private network namespace).
+* ``mooncake client (ceiling)``: the client's own ``batch_put_from`` / ``batch_get_into``
+  on one registered buffer already holding the values (no framing, no staging copy):
+  Mooncake's TCP transfer alone, the ceiling of the ``mooncake`` row.
 
 A table is printed and the numbers are written as JSON under ``--out``.
 """
@@ -114,6 +122,75 @@ def _round(
     return put, get, get_into, got
 
 
+def bench_files(base: Path, values: list[bytes], repeat: int) -> dict[str, list[float]]:
+    """The local store's ceiling: a new file per value (open, writev, close), then
+    ``preadv`` into one preallocated buffer; nothing else (no checksum, no ledger)."""
+    total = sum(len(v) for v in values)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    header = bytes(framing.HEADER_SIZE)
+    put, get_into = [], []
+    for r in range(repeat):
+        folder = base / f"files-{r}"
+        folder.mkdir()
+        names = [str(folder / f"v{i}") for i in range(len(values))]
+
+        def write(names: list[str] = names) -> None:
+            for name, value in zip(names, values, strict=True):
+                fd = os.open(name, flags, 0o600)
+                try:
+                    os.writev(fd, [header, value])
+                finally:
+                    os.close(fd)
+
+        arena = memoryview(bytearray(total))
+
+        def read(names: list[str] = names, arena: memoryview = arena) -> None:
+            off = 0
+            for name, value in zip(names, values, strict=True):
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.preadv(fd, [arena[off : off + len(value)]], len(header))
+                finally:
+                    os.close(fd)
+                off += len(value)
+
+        put.append(_rate(total, write))
+        get_into.append(_rate(total, read))
+    return {"put": put, "get_into": get_into}
+
+
+def bench_mooncake_client(store: Any, values: list[bytes], batch: int, repeat: int) -> dict:
+    """Mooncake's own batch calls on one registered buffer that already holds the values:
+    the transport's ceiling, without this store's framing or staging copy."""
+    size = len(values[0])
+    n = min(len(values), batch)
+    with store._oversize(n * size) as buf:
+        for i in range(n):
+            buf.view[i * size : (i + 1) * size] = values[i]
+        ptrs = [buf.addr + i * size for i in range(n)]
+        sizes = [size] * n
+        put, get_into = [], []
+        rounds = max(1, len(values) // n)
+        for r in range(repeat):
+            keys = [[f"raw/{r}/{j}/{i}" for i in range(n)] for j in range(rounds)]
+
+            def do_put(keys: list[list[str]] = keys) -> None:
+                for chunk in keys:
+                    if any(rc < 0 for rc in store._client.batch_put_from(chunk, ptrs, sizes)):
+                        raise SystemExit("bench: mooncake batch_put_from failed")
+
+            def do_get(keys: list[list[str]] = keys) -> None:
+                for chunk in keys:
+                    if any(rc < 0 for rc in store._client.batch_get_into(chunk, ptrs, sizes)):
+                        raise SystemExit("bench: mooncake batch_get_into failed")
+
+            put.append(_rate(rounds * n * size, do_put))
+            get_into.append(_rate(rounds * n * size, do_get))
+        if bytes(buf.view[:size]) != values[0]:
+            raise SystemExit("bench: mooncake batch_get_into read other bytes")
+    return {"put": put, "get_into": get_into}
+
+
 def bench_store(
     make: Callable[[int], Any], values: list[bytes], batch: int, repeat: int, close: bool = True
 ) -> dict[str, list[float]]:
@@ -148,6 +225,7 @@ def run(args: argparse.Namespace) -> dict:
             Path(args.local_dir) if args.local_dir else Path(tempfile.mkdtemp(prefix="bench-kv-"))
         )
         try:
+            results["file system (ceiling of local)"] = bench_files(base, values, args.repeat)
             for fsync in (False, True):
                 name = "local (fsync)" if fsync else "local"
                 results[name] = bench_store(
@@ -167,6 +245,9 @@ def run(args: argparse.Namespace) -> dict:
         try:  # one client for all repeats: setup and close are not what is measured
             results["mooncake (TCP loopback, node)"] = bench_store(
                 lambda r: store, values, args.batch, args.repeat, close=False
+            )
+            results["mooncake client (ceiling)"] = bench_mooncake_client(
+                store, values, args.batch, args.repeat
             )
         finally:
             store.close()

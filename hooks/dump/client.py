@@ -5,6 +5,12 @@ and vLLM requires each connector to report only ids it was given, so every conne
 instance takes its own client. The client's maps are guarded by the scheduler's lock, which
 the scheduler hands over when it makes the client: a batch's completion (scheduler side)
 and a request's report (client side) update them together.
+
+The per-layer submit takes no lock: it counts into the client's ``tally`` (one slot per
+event source and ownership), written only by the thread that drives the connector (vLLM
+steps a connector from one thread), and the scheduler folds the tallies into the shared
+metrics under its lock when it retires or when metrics are read (single-writer counters,
+summed when read).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from ucm_patch.hooks.dump.types import Batch, FinishedDumps
+from ucm_patch.hooks.events import EventSource
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -48,11 +55,13 @@ class DumpClient:
         "_lock",
         "_ready",
         "_reqs",
+        "folded",
         "name",
         "scheduler",
         "seal",
         "submit",
         "submit_layer",
+        "tally",
     )
 
     def __init__(self, scheduler: DumpScheduler, name: str, lock: threading.Lock) -> None:
@@ -63,6 +72,10 @@ class DumpClient:
         self._reqs: dict[str, _Request] = {}
         self._ready: dict[str, bool] = {}  # reportable request id -> failed
         self._finished_waiting = 0  # finished requests with dumps still running
+        # Submits by (source << 1 | owned): written by this client's submitting thread
+        # only; ``folded`` is the part already added to the metrics (scheduler lock).
+        self.tally = [0] * (2 * len(EventSource))
+        self.folded = [0] * (2 * len(EventSource))
         self.submit_layer = scheduler.submit_layer
         self.submit = scheduler.submit
         self.seal = scheduler.seal

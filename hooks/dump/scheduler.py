@@ -152,6 +152,8 @@ class DumpScheduler:
             lock=self._lock,
         )
         self._resolve = self.events.resolve
+        self.metrics.live_handles = self.live_handles
+        self.metrics.refresh = self.refresh_metrics
         self._count_event = self.events.count_locked
         self.capacity = capacity
         self.on_full_wait = on_full == "wait"
@@ -222,16 +224,51 @@ class DumpScheduler:
         self._batches_live += 1
 
     def seal_locked(self, batch: Batch) -> None:
-        """:meth:`seal` for a caller that holds the lock."""
+        """:meth:`seal` for a caller that holds the lock.
+
+        Sealing runs on the submitting thread after its last submit, so ``submitted`` is
+        final here; a batch retired to ``submitted`` before the seal completes now."""
         if not batch.sealed:
             batch.sealed = True
-            if batch.pending == 0:
+            if batch.retired == batch.submitted:
                 self._complete_batch(batch)
 
     def remove_client_locked(self, client: DumpClient) -> None:
         """Forget a closed client: it no longer counts in sizes and pending work."""
         if client in self._clients:
+            self._fold_client_locked(client)
             self._clients.remove(client)
+
+    def _fold_locked(self) -> None:
+        """Add what every client submitted since the last fold to the metrics and the
+        event ledger's live counts (lock held). Runs before tasks are retired, so a task
+        is always counted live before its release is."""
+        for client in self._clients:
+            if client.tally != client.folded:  # one C-level compare when nothing changed
+                self._fold_client_locked(client)
+
+    def _fold_client_locked(self, client: DumpClient) -> None:
+        tally, folded = client.tally, client.folded
+        count = self._count_event
+        submitted = 0
+        for i in range(len(tally)):
+            n = tally[i] - folded[i]  # read once: the submitting thread may add meanwhile
+            if n:
+                folded[i] += n
+                submitted += n
+                count(bool(i & 1), i >> 1, n)
+        self.metrics.dumps_submitted += submitted
+
+    def refresh_metrics(self) -> None:
+        """Fold pending submit counts into the metrics (their readers call it first)."""
+        with self._lock:
+            self._fold_locked()
+
+    def live_handles(self) -> tuple[int, int]:
+        """(owned, borrowed) events held by tasks, submits not yet folded included."""
+        with self._lock:
+            self._fold_locked()
+            return self.events.live()
 
     # =================================================================================
     # Save side (forward thread): submit never waits on the store
@@ -252,6 +289,29 @@ class DumpScheduler:
         store. Returns False when the dump was skipped (back-pressure or shut down).
         """
         event, owned, source = self._resolve(layer_name, attn_metadata)
+        # _enqueue's fast path inline (once per layer per step: one frame of eight
+        # arguments less); everything else, back-pressure included, goes through it.
+        if type(batch) is Batch and not batch.sealed and not self._closed:
+            free = self._free
+            if free:
+                try:
+                    task = free.pop()
+                except IndexError:  # another submitting thread took the last slot
+                    pass
+                else:
+                    batch.submitted += 1
+                    batch.tally[source + source + owned] += 1
+                    task.batch = batch
+                    task.row = row
+                    task.keys = keys
+                    task.data = data
+                    task.event = event
+                    task.owned = owned
+                    task.source = source
+                    self._dq.append(task)
+                    if self._sleepers and not self._wake_pending:
+                        self._wake_one()
+                    return True
         return self._enqueue(batch, row, keys, data, event, owned, source, True)
 
     def submit(
@@ -292,20 +352,17 @@ class DumpScheduler:
         source: int,
         may_wait: bool,
     ) -> bool:
-        lock = self._lock
-        free = self._free
+        # No lock: list.pop is atomic, and the counters written here have this thread
+        # as their only writer (Batch.submitted, the client's tally; see DumpClient).
         task = None
-        lock.acquire()
-        try:
-            if type(batch) is Batch and free and not batch.sealed and not self._closed:
-                task = free.pop()
-                batch.pending += 1
-                self._count_event(owned, source)
-                self.metrics.dumps_submitted += 1
-                # queue_depth(_max) are updated at retire time: slots only come back
-                # there, so in-flight dumps peak right before a retire.
-        finally:
-            lock.release()
+        if type(batch) is Batch and not batch.sealed and not self._closed:
+            try:
+                task = self._free.pop()
+            except IndexError:
+                pass
+            else:
+                batch.submitted += 1
+                batch.tally[source + source + owned] += 1
         if task is None:
             if may_wait and self._wait_for_slot(batch, event, owned):
                 return self._enqueue(batch, row, keys, data, event, owned, source, False)
@@ -373,10 +430,7 @@ class DumpScheduler:
     def seal(self, batch: Batch) -> None:
         """No more dumps for ``batch`` (call from ``wait_for_save``). Never waits."""
         with self._lock:
-            if not batch.sealed:
-                batch.sealed = True
-                if batch.pending == 0:
-                    self._complete_batch(batch)
+            self.seal_locked(batch)
 
     # =================================================================================
     # Queries
@@ -600,6 +654,7 @@ class DumpScheduler:
         Releases the task's event, updates metrics and its batch, returns the slot. Runs on
         the forward side (get_finished, waits, slow submit paths), per step, not per layer.
         """
+        self._fold_locked()
         done = self._done
         m = self.metrics
         free = self._free
@@ -645,8 +700,8 @@ class DumpScheduler:
             if batch is not None:
                 if status != OK:
                     batch.failed = True
-                batch.pending -= 1
-                if batch.pending == 0 and batch.sealed:
+                batch.retired += 1
+                if batch.sealed and batch.retired == batch.submitted:
                     self._complete_batch(batch)
             free.append(task)
         m.queue_depth = self.capacity - len(free)

@@ -37,7 +37,18 @@ class FinishedDumps(NamedTuple):
 class Batch:
     """The dumps of one step for a set of requests (one per connector per step)."""
 
-    __slots__ = ("client", "context", "done", "failed", "pending", "req_ids", "sealed", "store")
+    __slots__ = (
+        "client",
+        "context",
+        "done",
+        "failed",
+        "req_ids",
+        "retired",
+        "sealed",
+        "store",
+        "submitted",
+        "tally",
+    )
 
     def __init__(
         self, client: DumpClient, req_ids: tuple[str, ...], store: KVStore, context: Any
@@ -46,10 +57,20 @@ class Batch:
         self.req_ids = req_ids
         self.store = store
         self.context = context  # opaque to the scheduler: the connector's per-step data
-        self.pending = 0  # submitted and not finished
+        # Two single-writer counters instead of one shared "pending": the submitting
+        # (forward) thread only ever adds to ``submitted``, the retirer (under the
+        # scheduler's lock) only to ``retired``, so a submit takes no lock.
+        self.submitted = 0
+        self.retired = 0
+        self.tally = client.tally  # the client's per-source submit counts (same thread)
         self.sealed = False  # no more submits (wait_for_save ran)
         self.failed = False  # some dump failed or was skipped
         self.done = False  # sealed and every dump finished
+
+    @property
+    def pending(self) -> int:
+        """Dumps submitted and not yet retired."""
+        return self.submitted - self.retired
 
 
 class DumpTask:

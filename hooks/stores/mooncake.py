@@ -12,7 +12,8 @@ Design (measurements: docs/BENCHMARKS.md):
   setup in ≈4 s with :class:`StoreError` instead of blocking ≈90 s.
 * Data moves through a small pool of *registered staging buffers*: ``put_many`` copies
   frame header + payload into one (a single memcpy) and calls ``batch_put_from``;
-  ``get_many`` calls ``batch_get_into`` and copies each payload out into ``bytes``. These
+  ``get_many`` calls ``batch_get_into`` and copies each payload out into ``bytes``,
+  ``get_many_into`` (what loads use) straight into the caller's buffers. These
   calls return one status per key, unlike ``put_batch`` (one status per batch) and
   ``get_batch`` / ``batch_get_buffer``, which answer "missing" when the client's local
   buffer is merely exhausted. Values larger than a staging buffer get a one-off buffer.
@@ -42,7 +43,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -58,6 +59,9 @@ from ucm_patch.hooks.stores.framing import (
 )
 
 log = logging.getLogger(__name__)
+
+#: ``take(index, checked payload view) -> bytes kept, or -1 when refused`` (see _read_many).
+_Take = Callable[[int, memoryview], int]
 
 OK = 0
 NO_AVAILABLE_HANDLE = -200
@@ -372,24 +376,59 @@ class MooncakeStore(KVStore):
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values via ``batch_get_into``; None when missing or failing the frame check."""
+        out: list[bytes | None] = [None] * len(keys)
+
+        def take(i: int, payload: memoryview) -> int:
+            out[i] = bytes(payload)
+            return len(payload)
+
+        self._read_many(keys, take)
+        return out
+
+    def get_many_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        """Read each value's payload into the buffer of the same index: ``batch_get_into``
+        a registered staging buffer, verify the frame there, one copy into ``buffers``
+        (no ``bytes`` per value). False when missing, corrupt or not that buffer's size."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"get_many_into: {len(keys)} keys for {len(buffers)} buffers")
+        out = [False] * len(keys)
+        views = [as_bytes_view(b) for b in buffers]
+
+        def take(i: int, payload: memoryview) -> int:
+            dst = views[i]
+            if len(payload) != len(dst):
+                return -1  # a value of another size: not this buffer's
+            dst[:] = payload
+            out[i] = True
+            return len(payload)
+
+        self._read_many(keys, take)
+        return out
+
+    def _read_many(self, keys: Sequence[str], take: _Take) -> None:
+        """Read ``keys`` through a staging buffer; ``take(index, checked payload view)``
+        keeps a value (the view dies with the call) and answers its size, -1 to refuse."""
         self._check_usable()
         kbs = [key_bytes(k) for k in keys]
-        out: list[bytes | None] = [None] * len(keys)
+        taken: list[int] = []
+
+        def counted(i: int, payload: memoryview) -> None:
+            n = take(i, payload)
+            if n >= 0:
+                taken.append(n)
+
         try:
-            self._get_into(keys, kbs, out)
+            self._get_into(keys, kbs, counted)
         except StoreError:
             self._count(errors=1)
             raise
-        hits = sum(v is not None for v in out)
         self._count(
-            gets=len(keys),
-            hits=hits,
-            misses=len(keys) - hits,
-            bytes_read=sum(len(v) for v in out if v is not None),
+            gets=len(keys), hits=len(taken), misses=len(keys) - len(taken), bytes_read=sum(taken)
         )
-        return out
 
-    def _get_into(self, keys: Sequence[str], kbs: list[bytes], out: list[bytes | None]) -> None:
+    def _get_into(
+        self, keys: Sequence[str], kbs: list[bytes], take: Callable[[int, memoryview], None]
+    ) -> None:
         exact: list[int] = []  # indexes whose value did not fit the guessed slot
         with self._staging() as buf:
             slot = min(self._slot, buf.size)
@@ -406,31 +445,40 @@ class MooncakeStore(KVStore):
                 )
                 for n, (i, rc) in enumerate(zip(idx, rcs, strict=True)):
                     if rc >= 0:
-                        out[i] = self._unframe(keys[i], kbs[i], buf.view[n * slot : n * slot + rc])
+                        payload = self._unframe(keys[i], kbs[i], buf.view[n * slot : n * slot + rc])
+                        if payload is not None:
+                            take(i, payload)
                     elif rc == INVALID_PARAMS:
                         exact.append(i)
                     elif rc not in _MISS:
                         raise StoreError(f"mooncake store: get of {keys[i]!r}: {code_name(rc)}")
             for i in exact:
-                out[i] = self._get_exact(buf, keys[i], kbs[i])
+                self._get_exact(buf, i, keys[i], kbs[i], take)
 
-    def _get_exact(self, buf: _Buffer, key: str, kb: bytes) -> bytes | None:
+    def _get_exact(
+        self, buf: _Buffer, i: int, key: str, kb: bytes, take: Callable[[int, memoryview], None]
+    ) -> None:
         """Read one value whose size exceeded the slot guess, using its exact size."""
         try:
             size = self._client.get_size(key)
         except RuntimeError as exc:
             raise StoreError(f"mooncake store: get_size of {key!r} raised: {exc}") from exc
         if size in _MISS:
-            return None
+            return
         if size < 0:
             raise StoreError(f"mooncake store: get_size of {key!r}: {code_name(size)}")
         self._slot = max(self._slot, size)
         if size > buf.size:
             with self._oversize(size) as big:
-                return self._read_one(big, key, kb, size)
-        return self._read_one(buf, key, kb, size)
+                payload = self._read_one(big, key, kb, size)
+                if payload is not None:
+                    take(i, payload)
+            return
+        payload = self._read_one(buf, key, kb, size)
+        if payload is not None:
+            take(i, payload)
 
-    def _read_one(self, buf: _Buffer, key: str, kb: bytes, size: int) -> bytes | None:
+    def _read_one(self, buf: _Buffer, key: str, kb: bytes, size: int) -> memoryview | None:
         (rc,) = self._call(buf, _SAFE_GET, self._client.batch_get_into, [key], [buf.addr], [size])
         if rc in _MISS:
             return None
@@ -438,8 +486,9 @@ class MooncakeStore(KVStore):
             raise StoreError(f"mooncake store: get of {key!r} ({size} bytes): {code_name(rc)}")
         return self._unframe(key, kb, buf.view[:rc])
 
-    def _unframe(self, key: str, kb: bytes, framed: memoryview) -> bytes | None:
-        """Checked payload copy, or None after removing a corrupt value."""
+    def _unframe(self, key: str, kb: bytes, framed: memoryview) -> memoryview | None:
+        """The checked payload (a view into ``framed``), or None after removing a corrupt
+        value."""
         try:
             verify(kb, framed[:HEADER_SIZE], framed[HEADER_SIZE:], self._secret)
         except CorruptValue as exc:
@@ -447,7 +496,7 @@ class MooncakeStore(KVStore):
             log.warning("mooncake store: dropped corrupt value %r (%s); remove rc=%s", key, exc, rc)
             self._count(corrupt=1)
             return None
-        return bytes(framed[HEADER_SIZE:])
+        return framed[HEADER_SIZE:]
 
     # -- presence / lifecycle -------------------------------------------------------------
 

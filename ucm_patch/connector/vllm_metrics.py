@@ -63,6 +63,7 @@ _RECORDED = tuple(
 def _worker_totals(store: Any) -> dict[str, int]:
     """This process's cumulative worker-side values (read per step, never per layer)."""
     m = dump_metrics.METRICS
+    m.refresh()  # the scheduler's lock-free submit counts, folded in
     c = counters.snapshot()
     sources = m.event_sources
     return {

@@ -271,7 +271,13 @@ class WorkerSide:
         if row < 0 or self._row_done[row]:
             return
         self._row_done[row] = 1
-        self._submit_row(row, layer_name, attn_metadata)
+        plan = self._row_plans[row]
+        if plan is not None and self._pinned:
+            # The common case, one frame less (per layer per step): the dump thread waits
+            # for this layer's event, then copies the pages.
+            self.sched.submit_layer(self._batch, layer_name, attn_metadata, row, *plan)
+        else:
+            self._submit_row(row, layer_name, attn_metadata)
 
     def _submit_row(self, row: int, layer_name: str | None, attn_metadata: Any) -> None:
         plan = self._row_plans[row]
