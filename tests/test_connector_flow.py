@@ -354,3 +354,30 @@ def test_kv_roles_limit_the_sides(store: Store) -> None:
     consumer.sched.update_state_after_alloc(c, blocks([1, 2, 3, 4, 5]), 0)
     md = consumer.step(so([new_req("d", [[1, 2, 3, 4, 5]], 0)], scheduled={"d": 17}))
     assert md.dumps == {}
+
+
+def test_blocks_served_by_vllms_prefix_cache_are_not_dumped_again(store: Store) -> None:
+    """A request whose prefix vLLM's own prefix cache served (a chat's next turn) dumps
+    only what the store lacks: the stored part of that prefix is not copied and put a
+    second time; a block of it missing from the store, and everything after, still is."""
+    h = Harness(UCMPatchConnector)
+    prefill(h, "a", [1, 2, 3, 4])  # stores blocks 0-2 of TOKENS (ids 1-3)
+    layout = h.worker.layout
+    local = 3 * BS  # vLLM's prefix cache serves the first three blocks
+    ids = [1, 2, 3, 6, 7, 8]
+
+    def next_turn(rid: str, tail: int) -> list[int]:
+        tokens = [*TOKENS[:12], *range(tail, tail + 9)]  # the 3 blocks, 2 new full ones
+        req = Req(rid, tokens)
+        assert h.sched.get_num_new_matched_tokens(req, local) == (0, False)
+        h.sched.update_state_after_alloc(req, blocks(ids), 0)
+        md = h.step(so([new_req(rid, [ids], local)], scheduled={rid: len(tokens) - local}))
+        assert connector.wait_for_dumps(WAIT_S)
+        return [bid for _g, bid, _h in md.dumps.get(rid, [])]
+
+    before = connector.stats()["dump_blocks_already_stored"]
+    assert next_turn("b", 500) == [6, 7]  # before: [1, 2, 3, 6, 7], the prefix stored again
+    assert connector.stats()["dump_blocks_already_stored"] - before == 3
+    # One row's value of block 1 lost from the store: blocks 1 on are dumped again.
+    store.remove(layout.key(Req("x", TOKENS).block_hashes[1].hex(), 0, 0, 0))
+    assert next_turn("c", 600) == [2, 3, 6, 7]

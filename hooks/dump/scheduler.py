@@ -7,9 +7,11 @@ requests in its own :class:`DumpClient`; the threads, task slots, event ledger, 
 metrics are the process's. docs/DUMPS.md explains back-pressure, completion, preemption,
 delayed free and the locking.
 
-Locking, in brief: ``_lock`` guards the clients' maps (it is handed to each client), the
-batches, the slots, the metrics and the event ledger's counters, and is never held while
-waiting. Workers never wait for it: they hand finished tasks back on a deque, retired under
+Locking, in brief: the per-layer submit takes no lock (a slot pop is atomic; it counts
+into the batch's and its client's single-writer counters, folded into the metrics under
+the lock when tasks are retired or metrics read). ``_lock`` guards the clients' maps (it
+is handed to each client), batch completion, slot returns, the metrics and the event
+ledger's counters, and is never held while waiting. Workers never wait for it: they hand finished tasks back on a deque, retired under
 ``_lock`` by whoever holds it next. ``_done_cv`` (taken before ``_lock``, never after)
 wakes threads waiting for dumps; ``_wake`` parks idle workers.
 

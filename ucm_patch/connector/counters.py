@@ -27,6 +27,7 @@ COUNTERS = (
     "load_exceptions",
     "dump_steps",
     "dump_blocks",
+    "dump_blocks_already_stored",
     "dump_pages",
     "dump_pages_eager",
     "pinned_blocks",

@@ -25,7 +25,8 @@ turn that into lookup, load, fail, forever.
 full in this step (spec-decode draft positions excluded) and has a content hash; for
 Mamba/GDN groups the exact boundary-state blocks vLLM offers in
 ``scheduler_output.kv_connector_block_state`` (vLLM 0.32; such states are not positional,
-so without that offer no state is dumped and hybrid prefixes never hit).
+so without that offer no state is dumped and hybrid prefixes never hit). Blocks vLLM's own
+prefix cache served are skipped as far as the store already holds them.
 
 **Delayed free**: ``request_finished`` / ``request_finished_all_groups`` return
 True exactly for requests that had dump entries in some step's metadata and were not
@@ -197,11 +198,13 @@ class SchedulerSide:
         """Register the request; plan its load when vLLM accepted external tokens from us."""
         rid = request.request_id
         st = self._reqs.get(rid)
+        looked = self._lookups.get(rid)
         if st is None:
             st = self._reqs[rid] = _Req(request, self.layout)
+            if looked is not None and looked[0] > 0 and self.can_dump:
+                self._skip_stored_prefix(st, looked[0])
         if num_external_tokens <= 0 or not self.can_load:
             return
-        looked = self._lookups.get(rid)
         if looked is None or num_external_tokens > looked[1]:
             raise RuntimeError(
                 f"ucm connector: vLLM allocated {num_external_tokens} external tokens for "
@@ -226,6 +229,35 @@ class SchedulerSide:
         )
         stats.bump("hit_requests")
         stats.bump("hit_tokens", num_external_tokens)
+
+    def _skip_stored_prefix(self, st: _Req, tokens: int) -> None:
+        """vLLM's own prefix cache served this new request's first ``tokens``: start its
+        dumps after the longest prefix of those blocks the store already holds.
+
+        Without this, every prefix-cache hit (each turn of a chat) copied and stored the
+        whole shared prefix again: the store keeps the first value, but the page copies,
+        the puts and ``vllm:ucm_dump_bytes`` all counted it once more. A block the store
+        lacks (its dump failed, was skipped or evicted) and everything after it is still
+        dumped. A store error here only means nothing is skipped."""
+        layout = self.layout
+        hashes = st.request.block_hashes
+        for g in layout.attention_groups:
+            ratio = g.block_size // layout.hash_block_size
+            n = min(tokens // g.block_size, len(hashes) // ratio)
+            keys: list[str] = []
+            owner: list[int] = []
+            for i in range(n):
+                found = layout.keys_all_ranks(hash_hex(hashes[layout.hash_index(g, i)]), g.index)
+                keys.extend(found)
+                owner.extend([i] * len(found))
+            try:
+                present = self.store.exists_many(keys) if keys else []
+            except StoreError:
+                return
+            stored = next((i for i, ok in zip(owner, present, strict=True) if not ok), n)
+            if stored:
+                st.next_block[g.index] = max(st.next_block[g.index], stored)
+                stats.bump("dump_blocks_already_stored", stored)
 
     def _load_entries(
         self, st: _Req, block_ids: tuple[list[int], ...], start: int, end: int
