@@ -248,10 +248,19 @@ class PatchRecord:
         return self.target.partition(":")[2]
 
 
-def _version_key(text: str) -> Any:
-    from packaging.version import Version
+_VERSIONS: dict[str, Any] = {}
 
-    return Version(text)
+
+def _version_key(text: str) -> Any:
+    """``Version(text)``, parsed once per text (every era's ceiling is compared with every
+    other era's of its patch; a few dozen distinct texts). A dict, not ``lru_cache``:
+    ``functools`` is not imported by ``import ucm_patch`` otherwise."""
+    found = _VERSIONS.get(text)
+    if found is None:
+        from packaging.version import Version
+
+        found = _VERSIONS[text] = Version(text)
+    return found
 
 
 def newest_eras(records: Iterable[PatchRecord]) -> set[str]:

@@ -130,7 +130,7 @@ class Registry:
         # Ids of the newest era of each patch (the ones that may apply past their ceiling),
         # computed at the first gate, not here: it parses every range, and ``import
         # ucm_patch`` must stay cheap (and import no ``packaging``).
-        self._newest: frozenset[str] | None = None
+        self._newest: dict[str, frozenset[str]] | None = None  # patch name -> newest eras
         self.strict = False
         self.debug = False
         self.active = False
@@ -194,6 +194,19 @@ class Registry:
         for st in to_hook:
             self._hook(st)
 
+    def _is_newest(self, record: PatchRecord) -> bool:
+        """Whether ``record`` is its patch's newest era (it alone may apply past its
+        ceiling). Computed on first need only, i.e. when an installed version is past some
+        record's ceiling: it parses every record's range (about 2 ms of apply time)."""
+        newest = self._newest
+        if newest is None:
+            newest = self._newest = {}
+        found = newest.get(record.name)
+        if found is None:  # this patch's eras only: most records are never asked about
+            eras = (s.record for s in self._status.values() if s.record.name == record.name)
+            found = newest[record.name] = frozenset(newest_eras(eras))
+        return record.id in found and not record.retired
+
     def _gate_pending(self) -> None:
         """Evaluate the version gate of every waiting record not yet gated."""
         with self._lock:
@@ -203,13 +216,9 @@ class Registry:
                 if not st.gated and st.state in (State.WAITING, State.DISABLED)
             ]
             versions = self._versions
-        newest = self._newest
-        if todo and newest is None:
-            newest = self._newest = frozenset(newest_eras(s.record for s in self._status.values()))
         for st in todo:
             # may read metadata: outside the lock
-            is_newest = st.record.id in newest and not st.record.retired  # type: ignore[operator]
-            shown, reason, past = _gate(st.record, versions, is_newest)
+            shown, reason, past = _gate(st.record, versions, self._is_newest)
             with self._lock:
                 if st.gated:
                     continue
@@ -400,7 +409,7 @@ def _applied_reason(st: RecordStatus, applied: installer.Applied) -> str:
 
 
 def _gate(
-    record: PatchRecord, versions: VersionCache, newest: bool
+    record: PatchRecord, versions: VersionCache, is_newest: Callable[[PatchRecord], bool]
 ) -> tuple[dict[str, str], str | None, str | None]:
     """(installed versions shown in the report, reason to skip or None, why the installed
     version is past the record's ceiling or None).
@@ -409,8 +418,8 @@ def _gate(
     reported apart from any other mismatch so the registry can tell "newer than anything
     verified" from "another era's range"; when it is the only mismatch, ``reason`` is
     None and the registry decides (untested-version unless allowed). Only the newest era
-    of a patch (``newest``) can be past its ceiling: an older era's upper bound is where
-    the next era starts.
+    of a patch (``is_newest``, asked only then) can be past its ceiling: an older era's
+    upper bound is where the next era starts.
     """
     from packaging.specifiers import SpecifierSet
 
@@ -428,7 +437,7 @@ def _gate(
             continue
         ceiling = record.ceiling.get(dist)
         floor = SpecifierSet(",".join(str(s) for s in spec if s.operator != "<"))
-        if newest and ceiling and floor.contains(found.effective, prereleases=True):
+        if ceiling and floor.contains(found.effective, prereleases=True) and is_newest(record):
             past.append(
                 f"{dist} {found} ({found.source}) is past the ceiling <{ceiling}: newer than "
                 "any release this record was verified on"

@@ -11,9 +11,10 @@ Locking, in brief: the per-layer submit takes no lock (a slot pop is atomic; it 
 into the batch's and its client's single-writer counters, folded into the metrics under
 the lock when tasks are retired or metrics read). ``_lock`` guards the clients' maps (it
 is handed to each client), batch completion, slot returns, the metrics and the event
-ledger's counters, and is never held while waiting. Workers never wait for it: they hand finished tasks back on a deque, retired under
-``_lock`` by whoever holds it next. ``_done_cv`` (taken before ``_lock``, never after)
-wakes threads waiting for dumps; ``_wake`` parks idle workers.
+ledger's counters, and is never held while waiting. Workers never wait for it: they hand
+finished tasks back on a deque, retired under ``_lock`` by whoever holds it next.
+``_done_cv`` (taken before ``_lock``, never after) wakes threads waiting for dumps;
+``_wake`` parks idle workers.
 
 Exit: dumps still in flight when the process exits get a bounded flush
 (:data:`EXIT_FLUSH_VAR`, default :data:`DEFAULT_EXIT_FLUSH_S` seconds, or the connector's
