@@ -9,6 +9,7 @@ stored results without running anything.
 from __future__ import annotations
 
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -786,21 +787,26 @@ def ttft_profile(d: dict[str, Any]) -> list[str]:
     tail = ms["vllm_prefix_cache"]
     added = ms["hit"] - tail
     tokens = p["prompt_len"] - p["shared_tokens"]
-    return [
-        f"**Ceiling and profile (target >= {TTFT_TARGET:g}x).** The best any connector can do",
-        "here is vLLM's own prefix cache serving the same prefix with no load at all (same",
-        f"process, same tail length): {tail:.0f} ms against {ms['recompute']:.0f} ms to",
-        f"recompute, a ceiling of **{ceiling:.2f}x**. That time is the compute of the",
-        f"{tokens} new tokens with attention over all {p['prompt_len']}: "
-        f"{100 * tokens / p['prompt_len']:.0f} % of the tokens cost "
-        f"{100 * tail / ms['recompute']:.0f} % of the recompute. Our hit takes "
-        f"{ms['hit']:.0f} ms, {added:+.0f} ms over that ceiling (the lookup, reading",
-        f"{p['shared_tokens']} tokens' pages from the store and writing them into the KV",
-        f"cache): {100 * r['speedup_hit'] / ceiling:.0f} % of the ceiling. On this CPU the",
-        f"target is above the ceiling{' ' if ceiling < TTFT_TARGET else ' not '}",
-        "and the remaining time is the model's own compute of the tail, not the connector.",
-        "",
-    ]
+    share_tokens = 100 * tokens / p["prompt_len"]
+    share_time = 100 * tail / ms["recompute"]
+    verdict = (
+        "The target is above this ceiling: on this CPU the remaining time is the model's own "
+        "compute of the tail, not the connector."
+        if ceiling < TTFT_TARGET
+        else "The ceiling is above the target."
+    )
+    text = (
+        f"**Ceiling and profile (target >= {TTFT_TARGET:g}x).** The best any connector can "
+        "do here is vLLM's own prefix cache serving the same prefix with no load at all "
+        f"(same process, same tail length): {tail:.0f} ms against {ms['recompute']:.0f} ms to "
+        f"recompute, a ceiling of **{ceiling:.2f}x**. That time is the compute of the "
+        f"{tokens} new tokens with attention over all {p['prompt_len']}: {share_tokens:.0f} % "
+        f"of the tokens cost {share_time:.0f} % of the recompute. Our hit takes "
+        f"{ms['hit']:.0f} ms, {added:+.0f} ms over the ceiling (the lookup, reading "
+        f"{p['shared_tokens']} tokens' pages from the store and writing them into the KV "
+        f"cache): {100 * r['speedup_hit'] / ceiling:.0f} % of the ceiling. {verdict}"
+    )
+    return [*textwrap.wrap(text, 88), ""]
 
 
 def section_stores(data: dict[str, Any]) -> list[str]:

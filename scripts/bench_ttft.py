@@ -1,7 +1,9 @@
 """Time to first token on a prefix hit vs recompute, real vLLM CPU, a 0.19 B random Qwen3.
 
-Target: at 80 % of the prompt cached, TTFT with the hit is at least 3x
-faster than recomputing (UCM #656 reports 3.26-3.86x at 80 % hit on GPU, QwQ-32B).
+Target: at 80 % of the prompt cached, TTFT with the hit is at least 4x
+faster than recomputing (issue #18), or the ceiling below it is shown: the ``vLLM prefix
+cache`` row is the hit with no load at all, so recompute / that row bounds any connector
+(UCM #656 reports 3.26-3.86x at 80 % hit on GPU, QwQ-32B).
 
 Model: ``scripts/make_bench_model.py`` (Qwen3-0.6B's layer shape, 12 layers, 190 M
 parameters, bf16, random weights), vLLM single-process, eager. Workload per repetition,
@@ -364,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                 "cold (stores)",
                 "recompute",
                 "80 % hit (cached)",
-                "speed-up (>= 3x)",
+                "speed-up (>= 4x)",
                 "replay (cached)",
                 "vLLM prefix cache",
             ),
