@@ -214,6 +214,47 @@ def case_close_is_final(h: Harness) -> None:
     assert h.make().get_many([k]) == [b"v"], "close() must not drop stored data"
 
 
+def case_get_many_into_reads_in_place(h: Harness) -> None:
+    """``get_many_into`` (what the connector's loads call) fills the caller's buffers with
+    the stored payloads, answers False for a missing, corrupt or other-size value, counts
+    like ``get_many``, and copies no value into ``bytes`` on the way (tracemalloc: the
+    base class's default, which reads through ``get_many``, allocates every value)."""
+    import tracemalloc
+
+    s = h.make()
+    size = 200_000
+    values = [_blob(70 + i, size) for i in range(4)]
+    keys = [h.key(f"into-{i}") for i in range(4)]
+    other, bad = h.key("into-other-size"), h.key("into-corrupt")
+    assert (
+        s.put_many([*zip(keys, values, strict=True), (other, b"x" * 10), (bad, values[0])])
+        == [True] * 6
+    )
+    h.tamper(s, bad, "flip")
+    arena = bytearray(size * 7)
+    bufs = [memoryview(arena)[i * size : (i + 1) * size] for i in range(7)]
+    wanted = [*keys, h.key("into-missing"), other, bad]
+    before = dict(s.stats)
+    tracemalloc.start()
+    try:
+        got = s.get_many_into(wanted, bufs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got == [True] * 4 + [False] * 3, got
+    assert [bytes(b) for b in bufs[:4]] == values
+    d = _delta(before, s.stats)
+    assert (d.get("hits"), d.get("misses"), d.get("corrupt")) == (4, 3, 1), d
+    assert d.get("bytes_read") == 4 * size, d
+    assert peak < size, f"get_many_into allocated {peak} bytes for {size}-byte values"
+    try:
+        s.get_many_into(keys, bufs[:2])
+    except ValueError as exc:
+        assert "4 keys for 2 buffers" in str(exc), exc
+    else:
+        raise AssertionError("get_many_into accepted 4 keys for 2 buffers")
+
+
 CASES: dict[str, Callable[[Harness], None]] = {
     name[len("case_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
 }
