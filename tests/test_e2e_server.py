@@ -23,6 +23,7 @@ import pytest
 from tests.conftest import REPO
 from tests.support import load_script
 from ucm_patch.connector import vllm_metrics as connector_metrics
+from ucm_patch.hooks.stores import framing
 
 pytestmark = pytest.mark.vllm
 
@@ -34,8 +35,12 @@ BLOCKS = 2  # full blocks in the prompt (plus a partial one)
 @pytest.fixture(scope="module", params=["tiny-qwen3-sharp", "tiny-qwen3-next-3to1"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     model = REPO / "models" / request.param
-    runs = sd.run(model, tmp_path_factory.mktemp(f"serve-{request.param}"), blocks=BLOCKS)
+    work = tmp_path_factory.mktemp(f"serve-{request.param}")
+    runs = sd.run(model, work, blocks=BLOCKS)
     runs["model"] = request.param
+    # Payload bytes the store holds (each value file is a frame header + the payload).
+    files = [p for p in (work / "store").rglob("*") if p.is_file() and not p.name.startswith(".")]
+    runs["stored_payload_bytes"] = sum(p.stat().st_size - framing.HEADER_SIZE for p in files)
     runs["dtype"] = sd.settings(model)[0]
     return runs
 
@@ -90,6 +95,14 @@ def test_metrics_count_dumps_and_loads(served: Any) -> None:
     assert _total(restarted, "vllm:ucm_load_bytes") > 0
     assert _total(restarted, "vllm:ucm_load_errors") == 0
     assert _total(restarted, "vllm:ucm_dumps_submitted") == 0  # loaded blocks: not again
+
+
+def test_a_rerun_from_vllms_prefix_cache_dumps_nothing_again(served: Any) -> None:
+    """The first server's rerun of the prompt is served by vLLM's own prefix cache: its
+    blocks are in the store already, so every byte the server reports dumped is a byte
+    the store holds (before: the rerun dumped the whole prefix a second time)."""
+    dumped = _total(served["first"]["after"], "vllm:ucm_dump_bytes")
+    assert dumped == served["stored_payload_bytes"] > 0
 
 
 def test_connector_start_line_is_in_vllms_log_format(served: Any) -> None:
