@@ -6,10 +6,17 @@ wrappers bind vLLM when the registry applies them (the target module is imported
 
 from __future__ import annotations
 
-from ucm_patch.patches.vllm import gdn_layerwise, gdn_variants, kv_ready_event, mla_bypass
+from ucm_patch.patches.vllm import (
+    cpu_block_size,
+    gdn_layerwise,
+    gdn_variants,
+    kv_ready_event,
+    mla_bypass,
+)
 from ucm_patch.records import PatchSet
 
 PATCH_SETS: tuple[PatchSet, ...] = (
+    cpu_block_size.PATCH_SET,
     gdn_layerwise.PATCH_SET,
     gdn_variants.PATCH_SET,
     kv_ready_event.PATCH_SET,

@@ -30,6 +30,7 @@ COUNTERS = (
     "dump_blocks_already_stored",
     "dump_pages",
     "dump_pages_eager",
+    "dump_pages_out_of_range",
     "pinned_blocks",
     "unpinned_blocks",
     "delayed_frees",

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ucm_patch.connector import counters as connector_stats
 from ucm_patch.connector import vllm_metrics as connector_metrics
+from ucm_patch.connector import vllm_support
 from ucm_patch.connector.config import ConnectorConfig, parse_connector_config
 from ucm_patch.connector.layout import KVLayout
 from ucm_patch.connector.meta import UCMConnectorMetadata
@@ -111,6 +112,19 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side: Any = None
         if role == KVConnectorRole.SCHEDULER:
             from ucm_patch.connector.scheduler_side import SchedulerSide
+
+            # Said once, at start (connector/vllm_support.py): a vLLM that cannot give a
+            # hybrid model hits leaves the connector idle for it; random hash seeds keep
+            # every process's keys apart.
+            hybrid_refused = self.layout.mamba_groups and vllm_support.hybrid_unsupported_reason()
+            if hybrid_refused:
+                logger.warning("UCMPatchConnector: %s.", hybrid_refused)
+                can_dump = can_load = False
+            seed_reason = vllm_support.random_hash_seed_reason(
+                hash_algo=getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)
+            )
+            if seed_reason and (can_dump or can_load):
+                logger.warning("UCMPatchConnector: %s.", seed_reason)
 
             self._sched_side = SchedulerSide(
                 self.layout,

@@ -53,6 +53,13 @@ from ucm_patch.connector.config import ConnectorConfig
 from ucm_patch.connector.layout import KVLayout
 from ucm_patch.connector.load_threads import LoadThreads
 from ucm_patch.connector.meta import RequestLoad, UCMConnectorMetadata, UCMWorkerMetadata
+from ucm_patch.connector.page_views import (
+    AttentionShape,
+    PageView,
+    UnknownKVLayout,
+    attention_view,
+    raw_view,
+)
 from ucm_patch.connector.rows import RowLoader
 from ucm_patch.hooks.dump import Batch, DumpScheduler, get_scheduler
 from ucm_patch.hooks.ratelimit import RateLimitedLog
@@ -67,32 +74,17 @@ _LoadJob = tuple[str, str, tuple[int, ...]]
 _RowPlan = tuple[list[str], Callable[[Any], list[memoryview]]]
 
 
-def copy_pages(view: torch.Tensor, idx: torch.Tensor, _task: Any = None) -> list[memoryview]:
-    """Host copies of the pages ``idx`` of a row view, one memoryview per page.
+def copy_pages(view: PageView, idx: torch.Tensor, _task: Any = None) -> list[memoryview]:
+    """Host copies of the pages ``idx`` (bounds-checked by the caller) of a row view, one
+    memoryview per page.
 
     ``_task``: the dump task when called as a DumpScheduler payload (unused).
     """
-    data = view.index_select(0, idx)
+    data = view.gather(idx)
     if data.device.type != "cpu":
         data = data.cpu()
     arr = data.numpy()
     return [memoryview(arr[i]) for i in range(arr.shape[0])]
-
-
-def page_view(
-    tensor: torch.Tensor, start: int, block_stride: int, page_bytes: int, num_blocks: int
-) -> torch.Tensor:
-    """``uint8 [num_blocks, page_bytes]`` view over the storage of ``tensor`` (no copy)."""
-    storage = tensor.untyped_storage()
-    end = start + (num_blocks - 1) * block_stride + page_bytes
-    if start < 0 or page_bytes <= 0 or page_bytes > block_stride or end > storage.nbytes():
-        raise ValueError(
-            f"page view out of bounds: start={start} block_stride={block_stride} "
-            f"page_bytes={page_bytes} num_blocks={num_blocks} storage={storage.nbytes()}"
-        )
-    view = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    view.set_(storage, start, (num_blocks, page_bytes), (block_stride, 1))
-    return view
 
 
 class WorkerSide:
@@ -127,7 +119,7 @@ class WorkerSide:
         # This connector's request ids: another connector in the process has its own.
         self.dumps = self.sched.client(f"worker-{rank}")
         n = len(layout.rows)
-        self.views: list[torch.Tensor | None] = [None] * n
+        self.views: list[PageView | None] = [None] * n
         # Bound once for the save hook (once per layer per step).
         self._save_row_of = layout.rows.save_row_of
         if config.dump_exit_flush_s is not None:
@@ -165,40 +157,31 @@ class WorkerSide:
     # KV caches
     # ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Build one page view per storage row over vLLM's KV-cache memory."""
-        placement = self._placements()
+        """Build one page view per storage row over vLLM's KV-cache memory, derived from
+        each tensor's shape and strides (:mod:`ucm_patch.connector.page_views`).
+
+        Raises :class:`~ucm_patch.connector.page_views.UnknownKVLayout` (naming the layer,
+        shape and strides) for a layout it cannot map: the connector refuses to start
+        rather than move the wrong bytes."""
+        cfg = self.kv_cache_config
+        num_blocks = _blocks_per_layer(cfg)
+        shapes = _attention_shapes(cfg)
+        mamba = {layer for g in self.layout.mamba_groups for layer in g.layers}
         for row in self.layout.rows.rows:
             layer = row.layers[0]
             if layer not in kv_caches:
                 raise ValueError(f"register_kv_caches: no KV cache for layer {layer!r}")
             tensor = kv_caches[layer]
-            if isinstance(tensor, list | tuple):  # older vLLM: [conv, ssm] views of a page
-                tensor = tensor[0]
-            if layer in placement:
-                start, stride, page, num_blocks = placement[layer]
+            blocks = num_blocks.get(layer, cfg.num_blocks)
+            if mamba.intersection(row.layers):
+                page = self.layout.row_page_bytes[row.index]
+                view = raw_view(tensor, blocks, page, layer, shapes.get(layer))
+            elif layer in shapes:
+                view = attention_view(tensor, blocks, shapes[layer], layer)
             else:
-                size = tensor.element_size()
-                start = tensor.storage_offset() * size
-                stride = tensor.stride(0) * size
-                page = min(self.layout.row_page_bytes[row.index], stride)
-                num_blocks = tensor.shape[0]
-            self.views[row.index] = page_view(tensor, start, stride, page, num_blocks)
-
-    def _placements(self) -> dict[str, tuple[int, int, int, int]]:
-        """layer -> (start, block_stride, page_bytes, num_blocks) from vLLM >= 0.32 tensors."""
-        out: dict[str, tuple[int, int, int, int]] = {}
-        cfg = self.kv_cache_config
-        for tensor in getattr(cfg, "kv_cache_tensors", ()):
-            layers = getattr(tensor, "layers", None)
-            if layers is None:
-                continue
-            num_of = getattr(cfg, "num_blocks_of", None)
-            num_blocks = num_of(tensor) if num_of is not None else cfg.num_blocks
-            page = min(tensor.layer_stride, tensor.block_stride)
-            for li, layer in enumerate(layers):
-                start = tensor.offset + li * tensor.layer_stride
-                out[layer] = (start, tensor.block_stride, page, num_blocks)
-        return out
+                raise UnknownKVLayout(f"layer {layer!r}: no attention or mamba KV-cache spec")
+            self.views[row.index] = view
+            logger.debug("ucm connector: row %d (%s): %s", row.index, layer, view.layout)
 
     # ---------------------------------------------------------------------------------
     # Per step
@@ -236,13 +219,37 @@ class WorkerSide:
                 continue
             if view is None:
                 raise RuntimeError("ucm connector: dump planned before register_kv_caches")
-            idx = torch.tensor(ids, dtype=torch.long, device=view.device)
+            bad = view.out_of_range(ids)
+            if bad:  # never launched: on CUDA an out-of-range gather kills the engine
+                keys, ids = self._drop_out_of_range(r, keys, ids, set(bad), view)
+                if not keys:
+                    self._row_plans[r] = None
+                    continue
+            idx = torch.tensor(ids, dtype=torch.long, device=view.view.device)
             # Built once per step: the per-layer submit allocates nothing.
             self._row_plans[r] = (keys, partial(copy_pages, view, idx))
             pages += len(keys)
         stats.bump("dump_pages", pages)
         if md.pinned:
             self._open_steps.append((md.step, batch))
+
+    def _drop_out_of_range(
+        self, row: int, keys: list[str], ids: list[int], bad: set[int], view: PageView
+    ) -> tuple[list[str], list[int]]:
+        """The pages of ``row`` whose block ids exist; the others are counted and logged
+        (a scheduler / worker disagreement on the block count), never copied."""
+        stats.bump("dump_pages_out_of_range", sum(1 for b in ids if b in bad))
+        self._warning_log.error(
+            ("dump range", row),
+            "ucm connector: dump of row %d names block ids %s outside the %d blocks of its "
+            "KV cache (%s); those pages are not dumped",
+            row,
+            sorted(bad)[:8],
+            view.num_blocks,
+            view.layout,
+        )
+        kept = [(k, b) for k, b in zip(keys, ids, strict=True) if b not in bad]
+        return [k for k, _ in kept], [b for _, b in kept]
 
     def _close_dumps(self) -> None:
         """Submit the rows whose save layer never ran (after the forward), then seal."""
@@ -432,7 +439,7 @@ class WorkerSide:
         view = self.views[row]
         if view is None:
             raise RuntimeError("ucm connector: load before register_kv_caches")
-        page = view.shape[1]
+        page = view.page_bytes
         failed: set[str] = set()
         # The store reads each page straight into its row of one uninitialised host buffer
         # (the local store: preadv, no bytes per value), then one index_copy_ writes them
@@ -453,14 +460,29 @@ class WorkerSide:
                 )
                 failed.add(rid)
                 continue
+            bad = view.out_of_range(dsts)
+            if bad:  # checked on the host: never launch an out-of-range copy
+                stats.bump("load_errors")
+                self._warning_log.error(
+                    ("load range", row),
+                    "ucm connector: load of %s for %s names block ids %s outside the %d "
+                    "blocks of row %d; the request recomputes",
+                    key,
+                    rid,
+                    bad[:8],
+                    view.num_blocks,
+                    row,
+                )
+                failed.add(rid)
+                continue
             for d in dsts:
                 src.append(i)
                 dst.append(d)
         if dst:
             if src != list(range(len(jobs))):  # failed jobs, or a page for several blocks
                 host = host.index_select(0, torch.tensor(src, dtype=torch.long))
-            idx = torch.tensor(dst, dtype=torch.long, device=view.device)
-            view.index_copy_(0, idx, host.to(view.device))
+            idx = torch.tensor(dst, dtype=torch.long, device=view.view.device)
+            view.scatter(idx, host.to(view.view.device))
             stats.bump("loaded_pages", len(dst))
         return failed
 
@@ -587,3 +609,32 @@ class WorkerSide:
                 ),
             )
         return flushed and stopped
+
+
+def _blocks_per_layer(cfg: Any) -> dict[str, int]:
+    """layer -> blocks of the pool backing it (vLLM >= 0.32 ``num_blocks_of``; older: all
+    layers share ``num_blocks``)."""
+    num_of = getattr(cfg, "num_blocks_of", None)
+    if num_of is None:
+        return {}
+    return {
+        layer: int(num_of(tensor))
+        for tensor in getattr(cfg, "kv_cache_tensors", ())
+        for layer in getattr(tensor, "layers", None) or ()
+    }
+
+
+def _attention_shapes(cfg: Any) -> dict[str, AttentionShape]:
+    """layer -> what its attention page holds, from the groups' KV-cache specs."""
+    out: dict[str, AttentionShape] = {}
+    for group in cfg.kv_cache_groups:
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None)  # UniformType...
+        for layer in group.layer_names:
+            spec = per_layer[layer] if per_layer else group.kv_cache_spec
+            heads = getattr(spec, "num_kv_heads", None)
+            head_size = getattr(spec, "head_size", None)
+            if heads is None or head_size is None:
+                continue  # a mamba / GDN state
+            mla = any("MLA" in cls.__name__ for cls in type(spec).__mro__)
+            out[layer] = AttentionShape(int(spec.block_size), int(heads), int(head_size), mla)
+    return out

@@ -1,0 +1,81 @@
+"""What the connector says at start about the running vLLM (connector/vllm_support.py).
+
+The installed vLLM (0.32) offers boundary states and seeds NONE_HASH from a fixed value
+for sha256; the older releases' behaviour is checked against their own module shapes
+here and for real by the runtime matrix (scripts/matrix_child.py, make test's 0.22.1 run).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from ucm_patch.connector import vllm_support
+
+OLD_UTILS = SimpleNamespace()  # vLLM < 0.29: no resolve_none_hash_seed
+NEW_UTILS = SimpleNamespace(resolve_none_hash_seed=lambda fn: "")
+
+
+@pytest.mark.parametrize(
+    ("seed", "utils", "algo", "warned"),
+    [
+        (None, OLD_UTILS, "sha256", True),
+        ("0", OLD_UTILS, "sha256", False),
+        (None, NEW_UTILS, "sha256", False),
+        (None, NEW_UTILS, "sha256_cbor", False),
+        (None, NEW_UTILS, "xxhash", True),
+        ("7", NEW_UTILS, "xxhash_cbor", False),
+    ],
+)
+def test_random_hash_seed_is_named_with_its_fix(monkeypatch, seed, utils, algo, warned):
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    reason = vllm_support.random_hash_seed_reason(utils, algo)
+    if warned:
+        assert reason is not None
+        assert "PYTHONHASHSEED" in reason and "PYTHONHASHSEED=0" in reason
+        assert ("< 0.29" in reason) == (utils is OLD_UTILS)
+    else:
+        assert reason is None
+
+
+@pytest.mark.vllm
+def test_installed_vllm_offers_boundary_states():
+    assert vllm_support.hybrid_unsupported_reason() is None
+
+
+@pytest.mark.vllm
+def test_vllm_without_state_offers_leaves_a_hybrid_model_idle(monkeypatch, caplog):
+    """On a vLLM without ``kv_connector_block_state`` the scheduler side is built with
+    nothing to load or dump, and one WARNING says why (the real 0.22.1 run is in the
+    runtime matrix)."""
+    from ucm_patch.connector import kv_connector
+
+    reason = "hybrid prefix hits need vLLM >= 0.29: test"
+    monkeypatch.setattr(vllm_support, "hybrid_unsupported_reason", lambda: reason)
+    seen = {}
+
+    class Side:
+        def __init__(self, layout, config, store, **kw):
+            seen.update(kw)
+
+    monkeypatch.setattr("ucm_patch.connector.scheduler_side.SchedulerSide", Side)
+    layout = SimpleNamespace(
+        mamba_groups=(object(),), tp_size=1, fingerprint="f", rows=(), groups=()
+    )
+    monkeypatch.setattr(kv_connector.KVLayout, "from_vllm", lambda *a: layout)
+    monkeypatch.setattr(kv_connector, "shared_store", lambda config: object())
+    monkeypatch.setattr(kv_connector.KVConnectorBase_V1, "__init__", lambda *a, **k: None)
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, kv_role="kv_both"),
+        cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"),
+        parallel_config=SimpleNamespace(world_size=1),
+    )
+    with caplog.at_level(logging.WARNING, logger="vllm.ucm_patch.connector.kv_connector"):
+        kv_connector.UCMPatchConnector(vllm_config, kv_connector.KVConnectorRole.SCHEDULER)
+    assert seen["can_dump"] is False and seen["can_load"] is False
+    assert [r.getMessage() for r in caplog.records if reason in r.getMessage()]
