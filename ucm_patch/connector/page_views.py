@@ -30,6 +30,8 @@ Two kinds of view, both ``uint8`` with the block id on dim 0:
   under FlashAttention's K-outer layout reads back under FlashInfer's block-major HND one.
   Token and head dims are told apart by size (the spec's block size and KV-head count);
   when the two are equal the tensor's logical order is taken as given.
+* **The flat backing buffer** (vLLM >= 0.32 hands it over for specs without per-layer
+  views): the raw page where the layer's ``KVCacheTensor`` places it.
 * **Rows with a mamba layer** (hybrid models): the layers of the row alias one block-major
   page per block (a block id belongs to one group at a time), so the page is the raw
   ``page_bytes`` at the block's start. The tensor must be block-major (every byte of a
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -65,7 +68,7 @@ class AttentionShape:
     mla: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class PageView:
     """``uint8`` view over vLLM's KV memory: dim 0 is the block id, the rest one page."""
 
@@ -251,3 +254,17 @@ def raw_view(
     page = min(page_bytes, block_stride)
     view = _byte_view(first, [(num_blocks, block_stride), (page, 1)], start, layer)
     return PageView(view, num_blocks, page, f"raw {page}-byte page, block stride {block_stride}")
+
+
+def placement_view(
+    buffer: torch.Tensor, placement: Any, layer_index: int, num_blocks: int, layer: str
+) -> PageView:
+    """Raw page view of a layer that vLLM >= 0.32 hands over as the flat backing buffer
+    (specs without per-layer views): its pages are where its ``KVCacheTensor`` places them,
+    ``offset + layer_index * layer_stride + b * block_stride``."""
+    start = buffer.storage_offset() * buffer.element_size() + placement.offset
+    start += layer_index * placement.layer_stride
+    block_stride = placement.block_stride
+    page = min(placement.layer_stride, block_stride)
+    view = _byte_view(buffer, [(num_blocks, block_stride), (page, 1)], start, layer)
+    return PageView(view, num_blocks, page, f"placed {page}-byte page, block stride {block_stride}")

@@ -58,6 +58,7 @@ from ucm_patch.connector.page_views import (
     PageView,
     UnknownKVLayout,
     attention_view,
+    placement_view,
     raw_view,
 )
 from ucm_patch.connector.rows import RowLoader
@@ -165,6 +166,7 @@ class WorkerSide:
         rather than move the wrong bytes."""
         cfg = self.kv_cache_config
         num_blocks = _blocks_per_layer(cfg)
+        placements = _placements(cfg)
         shapes = _attention_shapes(cfg)
         mamba = {layer for g in self.layout.mamba_groups for layer in g.layers}
         for row in self.layout.rows.rows:
@@ -173,7 +175,9 @@ class WorkerSide:
                 raise ValueError(f"register_kv_caches: no KV cache for layer {layer!r}")
             tensor = kv_caches[layer]
             blocks = num_blocks.get(layer, cfg.num_blocks)
-            if mamba.intersection(row.layers):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 1 and layer in placements:
+                view = placement_view(tensor, *placements[layer], blocks, layer)
+            elif mamba.intersection(row.layers):
                 page = self.layout.row_page_bytes[row.index]
                 view = raw_view(tensor, blocks, page, layer, shapes.get(layer))
             elif layer in shapes:
@@ -621,6 +625,15 @@ def _blocks_per_layer(cfg: Any) -> dict[str, int]:
         layer: int(num_of(tensor))
         for tensor in getattr(cfg, "kv_cache_tensors", ())
         for layer in getattr(tensor, "layers", None) or ()
+    }
+
+
+def _placements(cfg: Any) -> dict[str, tuple[Any, int]]:
+    """layer -> (its ``KVCacheTensor``, its index there) on vLLM >= 0.32."""
+    return {
+        layer: (tensor, index)
+        for tensor in getattr(cfg, "kv_cache_tensors", ())
+        for index, layer in enumerate(getattr(tensor, "layers", None) or ())
     }
 
 
