@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup models test lint docs demo serve-demo bench clean matrix
+.PHONY: setup models test lint docs demo serve-demo bench clean matrix gpu-check
 
 setup: $(STAMP)
 
@@ -72,6 +72,12 @@ bench: $(STAMP) models
 # `make matrix VERSIONS="0.22.1 0.26.0"` picks releases.
 matrix: models
 	$(PY) scripts/runtime_matrix.py $(if $(VERSIONS),--versions "$(VERSIONS)")
+
+# On a machine with CUDA vLLM and ucm_patch installed (not the CPU .venv): hook counts under
+# vLLM's default compilation, the cross-process hit, TTFT against vLLM's own prefix cache
+# and OffloadingConnector, dump bandwidth against KV production (scripts/gpu_check.py).
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(MODELS) bench-results .cache build *.egg-info
