@@ -258,3 +258,11 @@ def test_block_ids_are_checked_on_the_host():
     view = attention_view(kv, 5, SPEC, "x")
     assert view.out_of_range([0, 4, 5, -1, 2]) == [5, -1]
     assert view.out_of_range([0, 1, 2, 3, 4]) == []
+
+
+def test_mamba_state_view_with_another_block_count_is_refused():
+    n, page = 4, 1024
+    raw = torch.zeros(2 * n * page, dtype=torch.uint8)
+    states = vllm_mamba_states(raw, 2 * n, page, [(4, 8)])
+    with pytest.raises(UnknownKVLayout, match=r"must have 4 blocks.*shape=\(8, 4, 8\)"):
+        raw_view(states, n, page, "model.layers.0.linear_attn", None)

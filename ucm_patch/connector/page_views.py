@@ -228,6 +228,11 @@ def raw_view(
     spans = []
     for part in parts:
         blk, _kv, r = _block_dims(part, num_blocks, layer, attention)
+        if attention is None and r != 1:  # a state per block: no kernel blocks
+            raise UnknownKVLayout(
+                f"layer {layer!r}: a mamba state view must have {num_blocks} blocks, got "
+                f"{_describe(part)}"
+            )
         es = part.element_size()
         block_stride = part.stride(blk) * r * es
         extent = (
