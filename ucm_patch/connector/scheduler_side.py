@@ -393,7 +393,10 @@ class SchedulerSide:
 
     def _block_ids(self, rid: str, block_state: Any) -> tuple[list[int], ...] | None:
         if block_state is not None:
-            return block_state.get_block_ids(rid)
+            get = getattr(block_state, "get_block_ids", None)  # vLLM >= 0.30
+            if get is not None:
+                return get(rid)
+            return block_state.block_ids.get(rid)  # vLLM 0.29: the snapshots as a dict
         table = self._tables.get(rid)
         return tuple(table) if table is not None else None
 
