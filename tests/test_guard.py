@@ -212,3 +212,63 @@ def test_skip_when_on_a_method_binds_the_instance(target) -> None:
     finally:
         _Switch.agent = None
         reg.revert()
+
+
+class _Platform:
+    """A class whose target is a classmethod, as ``CpuPlatform.check_and_update_config``."""
+
+    @classmethod
+    def configure(cls, config: dict) -> str:
+        config["by"] = cls
+        return "configured"
+
+
+@pytest.mark.parametrize("where", ["before", "after", "none"])
+def test_classmethod_target_is_guarded_and_stays_a_classmethod(where: str) -> None:
+    """A bug in a classmethod's wrapper is a pass-through (never reaches the host), the
+    class arrives as the instance, and revert puts the original descriptor back."""
+    mod = types.ModuleType("ucm_guard_classmethod")
+    mod.Platform = type("Platform", (_Platform,), {"configure": _Platform.__dict__["configure"]})
+    sys.modules[mod.__name__] = mod
+    seen: list[object] = []
+
+    def make_wrapper():
+        def wrapper(wrapped, instance, args, kwargs):
+            seen.append(instance)
+            if where == "before":
+                raise KeyError("pre-call bug")
+            out = wrapped(*args, **kwargs)
+            if where == "after":
+                raise AttributeError("post-call bug")
+            return out + "!"
+
+        return wrapper
+
+    rec = PatchRecord(
+        "guarded_cm",
+        "t",
+        "ucm_guard_classmethod:Platform.configure",
+        {"wrapt": ">=1"},
+        make_wrapper,
+        why="test record",
+        upstream="test only here",
+        removal="never at all",
+    )
+    reg = Registry([rec])
+    try:
+        reg.activate(patches={"guarded_cm": True}, env={})
+        platform = mod.Platform
+        assert isinstance(platform.__dict__["configure"], classmethod)
+        config: dict = {}
+        result = platform().configure(config)  # through an instance, as vLLM calls it
+        assert config["by"] is platform and seen == [platform]
+        row = reg.report()[0]
+        if where == "none":
+            assert result == "configured!" and row["state"] == "applied"
+        else:
+            assert result == "configured" and row["state"] == "failed", row
+            assert platform.configure({}) == "configured"  # a pass-through from now on
+        reg.revert()
+        assert platform.__dict__["configure"] is _Platform.__dict__["configure"]
+    finally:
+        del sys.modules[mod.__name__]

@@ -125,6 +125,14 @@ def test_era_wrapper_on_extracted_signature(monkeypatch, record_id, version):
 
     fn = _stand_in(params, world.log)
     wrapper = record.make_wrapper()
+    if params[0] == "cls":  # a classmethod (a config patch, no layer hooks): as installed
+        attr = record.qualname.rsplit(".", 1)[1]
+        # wrapt binds a classmethod with the class as ``instance`` and the rest as ``args``,
+        # as the installer's guarded classmethod does.
+        klass = type("Target", (), {attr: wrapt.FunctionWrapper(classmethod(fn), wrapper)})
+        assert getattr(klass(), attr)(*[object() for _ in fn.plain_params[1:]]) == "result"
+        assert not record.hooks and world.log == [("core",)]  # passed through, no hooks
+        return
     is_method = params[0] == "self"
     values: dict[str, Any] = {p: object() for p in fn.plain_params}
     if "layer_name" in values:
