@@ -294,6 +294,8 @@ def test_e2e_cell_says_refusal_and_vllms_own_failure() -> None:
     )
     own = {"ok": False, "fails_without_connector": True, "error": {"step": "x"}}
     assert "fails on the model without a connector too" in rm._e2e_text(own)
+    assert rm._check_cell(own, "t").startswith("➖ n/a")
+    assert rm._check_cell({"ok": False, "error": {"step": "x"}}, "t").startswith("❌")
     warned = {**rm.judge_e2e(*_e2e()), "seed_warning": False}
     assert "NOT WARNED" in rm._e2e_text(warned)
 

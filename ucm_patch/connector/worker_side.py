@@ -1,8 +1,10 @@
 """Worker side of the KV connector: page views, dumps through the DumpScheduler, loads.
 
 Runs in each vLLM worker process. Every storage row (layers whose pages alias) is seen as
-one ``uint8`` tensor ``[num_blocks, page_bytes]`` over vLLM's own KV-cache memory, so a
-page is moved as raw bytes whatever the layer kind (attention KV, GDN conv + SSM state).
+one :class:`~ucm_patch.connector.page_views.PageView` over vLLM's own KV-cache memory,
+derived from the registered tensor's shape and strides: a page is K|V in one fixed order
+for attention rows, the raw block-major page for rows shared with GDN / Mamba states.
+Block ids are checked against the view on the host before any gather or copy.
 
 **Dumps.** ``bind_connector_metadata`` opens one :class:`~ucm_patch.hooks.dump.Batch`
 per step for the requests with dump entries and precomputes each row's keys and block
