@@ -14,7 +14,7 @@ Storage layout (docs/CONNECTOR.md "Keys and rows"):
 * **Storage rows** (:mod:`ucm_patch.connector.rows`): layers whose pages alias the same bytes.
   One row holds at most one layer per group, so "row ``r``, block id ``b``" names exactly
   one layer's page; a dump reads it once, at the row's last layer.
-* **Keys**: ``ucm1/<fingerprint>/<block hash>/g<group>r<row>t<tp rank>``. The block hash is
+* **Keys**: ``ucm2/<fingerprint>/<block hash>/g<group>r<row>t<tp rank>``. The block hash is
   vLLM's content hash of the whole prefix up to that block (``request.block_hashes``), so a
   key names content, not a request. The fingerprint covers what makes bytes incompatible
   (the weights and every setting that changes KV bytes, :mod:`ucm_patch.connector.identity`;
@@ -37,7 +37,9 @@ from typing import Any
 from ucm_patch.connector.identity import model_identity
 from ucm_patch.connector.rows import RowMap
 
-KEY_VERSION = "ucm1"
+# ucm2: attention pages are K|V in (token, head, dim) order (connector/page_views.py);
+# ucm1 stored the raw bytes of the registered view. A ucm1 value is a miss, never misread.
+KEY_VERSION = "ucm2"
 ATTENTION = "attention"
 MAMBA = "mamba"
 
