@@ -169,11 +169,12 @@ def install(
     # vLLM's @eager_break_during_capture must stay outermost: wrap what it holds, decorate
     # the wrapper again (see capture_break).
     inner, redecorate = capture_break.split(original)
-    if isinstance(inner, classmethod) and guard.guardable(inner.__func__):
+    as_classmethod = isinstance(inner, classmethod) and guard.guardable(inner.__func__)
+    if as_classmethod:
         # Guard the function a classmethod holds (the class arrives as the instance) and
         # make the result a classmethod again: wrapt around the descriptor itself would
         # install no call-time guard, and a raising wrapper would reach the host.
-        inner, redecorate, method = inner.__func__, classmethod, True
+        inner, method = inner.__func__, True
     cell = None
     if not guard.guardable(inner):
         import wrapt  # here, not at import: see importhooks' docstring
@@ -196,6 +197,8 @@ def install(
     if redecorate is not None:
         setattr(wrapper, MARKER, record.id)
         wrapper = redecorate(wrapper)
+    if as_classmethod:
+        wrapper = classmethod(wrapper)  # one marker, on what is installed
     setattr(wrapper, MARKER, record.id)
     library = None
     if record.kind is Kind.OP_KERNEL:
