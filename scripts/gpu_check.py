@@ -224,6 +224,7 @@ def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
     elif mode == "dump":
         from ucm_patch import connector
 
+        connector.wait_for_dumps(600)  # the warm-up's dumps are not P's
         before = connector.stats()["bytes_written"]
         t0 = time.perf_counter()
         out["cold"] = _ttft(llm, p)
