@@ -199,6 +199,17 @@ def test_mla_page_is_token_then_latent():
     )
 
 
+def test_mla_page_of_vllm_032_layer_view_is_token_then_latent():
+    """0.32's per-layer view ``[B, H=1, N, C]`` for MLA: the same page as ``(N, B, D)``."""
+    spec = AttentionShape(block_size=16, num_kv_heads=1, head_size=96, mla=True)
+    kv = vllm_mla_cache(5, spec).unsqueeze(1)  # (5, 1, 16, 96)
+    fill(kv, 7)
+    view = attention_view(kv, 5, spec, "mla")
+    assert torch.equal(
+        view.gather(torch.tensor([2]))[0], kv[2].contiguous().view(torch.uint8).flatten()
+    )
+
+
 def test_hybrid_row_round_trips_attention_and_mamba_pages_through_either_tensor():
     """A row shared by an attention layer and a GDN layer: one raw page per block, the
     same view whichever layer's tensor it is derived from."""

@@ -169,15 +169,14 @@ def attention_view(
     # vLLM >= 0.32 packs K|V in the last dim (``[B, H, N, 2 * head_size]``, RFC #42082).
     packed = kv is None and not spec.mla and shape[-1] == 2 * spec.head_size
     head_bytes = (shape[-1] // 2 if packed else shape[-1]) * es
-    if spec.mla and len(rest) == 2 and 1 in (shape[rest[0]], shape[rest[1]]):
-        rest = [d for d in rest if shape[d] != 1 or kernel == 1][:1]  # (N, 1, B, C)
+    if spec.mla and len(rest) == 2:  # vLLM >= 0.32's (N, 1, B, C): one latent "head"
+        rest = [d for d in rest if shape[d] != 1] or rest[-1:]
     if spec.mla:
         if len(rest) != 1 or shape[rest[0]] != kernel:
             raise UnknownKVLayout(
                 f"layer {layer!r}: an MLA cache must be (N, {kernel}, D), got {_describe(tensor)}"
             )
         tok = rest[0]
-        head = -1
         order = "latent (token, dim)"
     elif kv is None and not packed:
         raise UnknownKVLayout(

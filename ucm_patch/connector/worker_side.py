@@ -167,8 +167,8 @@ class WorkerSide:
         shape and strides) for a layout it cannot map: the connector refuses to start
         rather than move the wrong bytes."""
         cfg = self.kv_cache_config
-        num_blocks = _blocks_per_layer(cfg)
         placements = _placements(cfg)
+        num_blocks_of = getattr(cfg, "num_blocks_of", None)  # vLLM >= 0.32: per pool
         shapes = _attention_shapes(cfg)
         mamba = {layer for g in self.layout.mamba_groups for layer in g.layers}
         for row in self.layout.rows.rows:
@@ -176,9 +176,12 @@ class WorkerSide:
             if layer not in kv_caches:
                 raise ValueError(f"register_kv_caches: no KV cache for layer {layer!r}")
             tensor = kv_caches[layer]
-            blocks = num_blocks.get(layer, cfg.num_blocks)
-            if isinstance(tensor, torch.Tensor) and tensor.dim() == 1 and layer in placements:
-                view = placement_view(tensor, *placements[layer], blocks, layer)
+            placed = placements.get(layer)
+            blocks = cfg.num_blocks
+            if placed is not None and num_blocks_of is not None:
+                blocks = int(num_blocks_of(placed[0]))
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 1 and placed is not None:
+                view = placement_view(tensor, *placed, blocks, layer)
             elif mamba.intersection(row.layers):
                 page = self.layout.row_page_bytes[row.index]
                 view = raw_view(tensor, blocks, page, layer, shapes.get(layer))
@@ -617,21 +620,9 @@ class WorkerSide:
         return flushed and stopped
 
 
-def _blocks_per_layer(cfg: Any) -> dict[str, int]:
-    """layer -> blocks of the pool backing it (vLLM >= 0.32 ``num_blocks_of``; older: all
-    layers share ``num_blocks``)."""
-    num_of = getattr(cfg, "num_blocks_of", None)
-    if num_of is None:
-        return {}
-    return {
-        layer: int(num_of(tensor))
-        for tensor in getattr(cfg, "kv_cache_tensors", ())
-        for layer in getattr(tensor, "layers", None) or ()
-    }
-
-
 def _placements(cfg: Any) -> dict[str, tuple[Any, int]]:
-    """layer -> (its ``KVCacheTensor``, its index there) on vLLM >= 0.32."""
+    """layer -> (its ``KVCacheTensor``, its index there) on vLLM >= 0.32 (older tensors
+    have ``shared_by``, no placement)."""
     return {
         layer: (tensor, index)
         for tensor in getattr(cfg, "kv_cache_tensors", ())
