@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import os
 import platform
@@ -628,10 +629,14 @@ def build_venv(version: str, rebuild: bool) -> dict[str, Any]:
     stamp = venv / ".matrix-stamp.json"
     if stamp.exists() and not rebuild:
         facts = json.loads(stamp.read_text())
-        if facts.get("repo") != str(REPO):  # another checkout installed itself there
+        requires = hashlib.sha256((REPO / "setup.cfg").read_bytes()).hexdigest()
+        if (facts.get("repo"), facts.get("setup_cfg")) != (str(REPO), requires):
+            # another checkout installed itself there, or ours needs other packages now:
+            # its requirements come too, torch held by the venv's constraints
             pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--progress-bar", "off"]
-            _run("ucm_patch", [*pip, "--no-deps", "-e", str(REPO)])
-            stamp.write_text(json.dumps({**facts, "repo": str(REPO)}))
+            _run("ucm_patch", [*pip, "-c", str(venv / "constraints.txt"), "-e", str(REPO)])
+            stamp.write_text(json.dumps({**facts, "repo": str(REPO), "setup_cfg": requires}))
+        facts.pop("setup_cfg", None)
         facts.pop("repo", None)  # where this checkout is: not a fact of the release
         return facts
     if venv.exists():
@@ -942,8 +947,16 @@ def check_e2e_hybrid(run: Run) -> dict[str, Any]:
 
 
 def stored_files(store: Path) -> int:
-    """Values in a local store directory (its hidden files are the store's own)."""
-    return sum(1 for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
+    """Values in a local store directory (both tiers, opened as the e2e's connector does)."""
+    if not store.exists():
+        return 0
+    from ucm_patch.hooks.stores import make_store
+
+    opened = make_store({"local_path": str(store)})
+    try:
+        return len(opened)
+    finally:
+        opened.close()
 
 
 CHECKS = dict(zip(CHECK_ORDER, (check_gdn, check_status, check_e2e, check_e2e_hybrid), strict=True))

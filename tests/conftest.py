@@ -38,6 +38,14 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _memory_tier_under_test_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Local stores made from config put their memory tier under $XDG_RUNTIME_DIR
+    (ucm_patch.hooks.stores.local.default_memory_path): point it at this run's temporary
+    directory, inherited by every child process, so no test leaves segments in /dev/shm."""
+    os.environ["XDG_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("runtime"))
+
+
 _counter = itertools.count()
 RunPy = Callable[..., subprocess.CompletedProcess[str]]
 

@@ -75,7 +75,7 @@ def test_full_blocks_are_dumped_once_per_row(store: Store) -> None:
     _req, md, pages = prefill(h, "a", [1, 2, 3, 4])
     assert [bid for _g, bid, _h in md.dumps["a"]] == [1, 2, 3]  # block 4 is partial
     assert md.pinned is False  # no block pool bound: pages copied before save returned
-    assert len(store.files()) == len(store) == 3 * len(LAYERS)
+    assert len(store) == 3 * len(LAYERS)
     layout = h.worker.layout
     for i, (_g, bid, block_hash) in enumerate(md.dumps["a"]):
         for row in range(len(LAYERS)):
@@ -346,7 +346,7 @@ def test_async_load_failure_on_old_api_becomes_block_errors(store: Store) -> Non
 def test_kv_roles_limit_the_sides(store: Store) -> None:
     producer = Harness(UCMPatchConnector, kv_role="kv_producer")
     prefill(producer, "a", [1, 2, 3, 4])
-    assert len(store.files()) == len(store) == 3 * len(LAYERS)
+    assert len(store) == 3 * len(LAYERS)
     assert producer.sched.get_num_new_matched_tokens(Req("b", TOKENS), 0) == (0, False)
     consumer = Harness(UCMPatchConnector, kv_role="kv_consumer")
     assert consumer.sched.get_num_new_matched_tokens(Req("c", TOKENS), 0) == (12, False)

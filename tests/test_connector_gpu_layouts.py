@@ -131,7 +131,7 @@ def test_out_of_range_dump_is_skipped_and_counted(store: ControlledLocalStore) -
     h.step(so([new_req("a", [[3, NUM_BLOCKS + 5, 11, 2]], 0)], scheduled={"a": len(TOKENS)}))
     assert connector.wait_for_dumps(30.0)
     assert connector.stats()["dump_pages_out_of_range"] - before == len(LAYERS)
-    assert len(store.files()) == 2 * len(LAYERS)  # blocks 3 and 11, every row
+    assert len(store) == 2 * len(LAYERS)  # blocks 3 and 11, every row
 
 
 def test_cache_with_another_block_count_is_refused_at_register() -> None:

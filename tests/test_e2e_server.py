@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import REPO
 from tests.support import load_script
 from ucm_patch.connector import vllm_metrics as connector_metrics
-from ucm_patch.hooks.stores import framing
+from ucm_patch.hooks.stores import make_store
 
 pytestmark = pytest.mark.vllm
 
@@ -38,9 +38,10 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     work = tmp_path_factory.mktemp(f"serve-{request.param}")
     runs = sd.run(model, work, blocks=BLOCKS)
     runs["model"] = request.param
-    # Payload bytes the store holds (each value file is a frame header + the payload).
-    files = [p for p in (work / "store").rglob("*") if p.is_file() and not p.name.startswith(".")]
-    runs["stored_payload_bytes"] = sum(p.stat().st_size - framing.HEADER_SIZE for p in files)
+    # Payload bytes the store holds (both tiers, opened as the server's connector does).
+    store = make_store({"local_path": str(work / "store")})
+    runs["stored_payload_bytes"] = sum(at.size for at in store.placements())
+    store.close()
     runs["dtype"] = sd.settings(model)[0]
     return runs
 

@@ -67,17 +67,14 @@ def test_local_store_reads_into_buffers_and_checks_them(tmp_path) -> None:
     assert store.get_many_into(["a", "b", "missing"], bufs) == [True, True, False]
     assert bytes(view[0:4096]) == a and bytes(view[4096:8192]) == b
     assert store.get_many_into(["small"], [view[:4096]]) == [False]  # another size
-    # damage "a" on disk: rejected in the buffer, then dropped
-    path = next(
-        p
-        for p in (tmp_path / "kv").rglob("*")
-        if p.is_file()
-        and p.stat().st_size == 4096 + framing.HEADER_SIZE
-        and p.read_bytes()[framing.HEADER_SIZE :] == a
-    )
-    raw = bytearray(path.read_bytes())
-    raw[-1] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    # damage "a" in its segment: rejected in the buffer, then dropped
+    at = store.where("a")
+    assert at is not None and at.size == 4096
+    with open(at.file, "r+b") as f:
+        f.seek(at.offset)
+        assert f.read(4096) == a
+        f.seek(at.offset + 4095)
+        f.write(bytes([a[-1] ^ 0xFF]))
     assert store.get_many_into(["a"], [view[0:4096]]) == [False]
     assert store.get_many(["a"]) == [None] and store.stats["corrupt"] == 1
     with pytest.raises(ValueError, match="2 keys for 1 buffers"):

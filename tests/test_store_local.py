@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,32 +35,35 @@ from ucm_patch.hooks.stores import (
 from ucm_patch.hooks.stores.base import KVStore, StoreError
 from ucm_patch.hooks.stores.framing import HEADER_SIZE
 from ucm_patch.hooks.stores.local import LocalStore
+from ucm_patch.hooks.stores.tier import record_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _path_of(store: LocalStore, key: str) -> str:
-    return store._file(store._digest(key.encode()))
+SEG = 16 << 10  # small segments, so that a few values fill one
 
 
 def tamper_local(store: KVStore, key: str, mode: object) -> None:
-    """Damage a stored file in place (same inode), as bit rot or a torn write would."""
+    """Damage a stored value in place (its bytes in the segment file), as bit rot, a torn
+    write or a bug writing the wrong buffer would."""
     assert isinstance(store, LocalStore)
-    path = _path_of(store, key)
-    size = os.path.getsize(path)
+    at = store.where(key)
+    assert at is not None, key
     if mode == "flip":
-        with open(path, "r+b") as f:
-            f.seek(HEADER_SIZE + (size - HEADER_SIZE) // 2)
+        with open(at.file, "r+b") as f:
+            f.seek(at.offset + at.size // 2)
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x10]))
     elif mode == "truncate":
-        os.truncate(path, size - 7)
+        os.truncate(at.file, at.offset + at.size - 7)
     elif isinstance(mode, tuple) and mode[0] == "swap":
-        data = Path(_path_of(store, mode[1])).read_bytes()
-        with open(path, "r+b") as f:
-            f.write(data)
-            f.truncate(len(data))
+        other = store.where(mode[1])
+        assert other is not None
+        with open(other.file, "rb") as f:  # the other value's frame: header + payload
+            f.seek(other.offset - HEADER_SIZE)
+            frame = f.read(HEADER_SIZE + other.size)
+        with open(at.file, "r+b") as f:
+            f.seek(at.offset - HEADER_SIZE)
+            f.write(frame)
     else:
         raise ValueError(f"unknown tamper mode {mode!r}")
 
@@ -69,94 +73,103 @@ def kv_dir(tmp_path: Path) -> Path:
     return tmp_path / "kv"
 
 
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A memory-tier directory on the real tmpfs (/dev/shm), removed afterwards."""
+    path = Path("/dev/shm") / f"ucm_patch-test-{os.getpid()}-{time.monotonic_ns()}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("tiers", ["disk", "memory+disk"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_contract(case: str, kv_dir: Path) -> None:
-    harness = Harness(make=lambda: LocalStore(kv_dir, 256 << 20), tamper=tamper_local)
+def test_contract(case: str, tiers: str, kv_dir: Path, shm_dir: Path) -> None:
+    memory = {"memory_bytes": 64 << 20, "memory_path": shm_dir} if "memory" in tiers else {}
+    harness = Harness(make=lambda: LocalStore(kv_dir, 256 << 20, **memory), tamper=tamper_local)
     CASES[case](harness)
+    if memory:
+        assert (shm_dir / "index" / "data.mdb").is_file(), "the memory tier was not used"
 
 
 # -- capacity and LRU ------------------------------------------------------------------------
 
 
-def test_lru_eviction_keeps_recently_used(kv_dir: Path) -> None:
-    """A put that does not fit evicts the least recently used values down to 90 %."""
-    unit = HEADER_SIZE + 1000
-    s = LocalStore(kv_dir, capacity_bytes=10 * unit)
-    keys = [f"k{i}" for i in range(10)]
-    assert s.put_many([(k, k.encode().ljust(1000, b".")) for k in keys]) == [True] * 10
-    assert s.used_bytes == 10 * unit and s.stats["evictions"] == 0
-    assert s.get_many(["k0"]) == [b"k0".ljust(1000, b".")]  # k0 becomes most recently used
-    assert s.put_many([("new", b"n" * 1000)]) == [True]
-    # 11 units do not fit in 10: the two oldest (k1, k2) go, leaving 9 = the low-water mark
-    assert s.exists_many([*keys, "new"]) == [True, False, False] + [True] * 8
-    assert not os.path.exists(_path_of(s, "k1"))
-    assert s.stats["evictions"] == 2
-    assert s.used_bytes == 9 * unit
+def _value(key: str, n: int = 3000) -> bytes:
+    return key.encode().ljust(n, b".")
 
 
-def test_value_larger_than_capacity_is_skipped(kv_dir: Path) -> None:
+def test_lru_eviction_empties_the_least_recently_used_segment(kv_dir: Path) -> None:
+    """Full: the segment used least recently (written or read) is emptied for the put."""
+    s = LocalStore(kv_dir, capacity_bytes=4 * SEG, segment_bytes=SEG)
+    per_seg = SEG // record_bytes(3000)
+    keys = [f"k{i}" for i in range(4 * per_seg)]
+    for k in keys:  # one put per value: segments fill in order
+        assert s.put_many([(k, _value(k))]) == [True]
+    assert len(s) == len(keys) and s.stats["evictions"] == 0
+    assert s.used_bytes == len(keys) * record_bytes(3000)
+    assert s.get_many(["k0"]) == [_value("k0")]  # segment 0 becomes the most recent
+    assert s.put_many([("new", _value("new"))]) == [True]
+    # segment 1 (k{per_seg}..) was the least recently used: its values went, as one
+    gone = set(keys[per_seg : 2 * per_seg])
+    assert s.exists_many([*keys, "new"]) == [k not in gone for k in keys] + [True]
+    assert s.stats["evictions"] == per_seg and len(s) == len(keys) - per_seg + 1
+
+
+def test_value_larger_than_a_segment_is_skipped(kv_dir: Path) -> None:
     s = LocalStore(kv_dir, capacity_bytes=4096)
+    assert s.disk.segment_bytes == 4096 and s.disk.count == 1
     assert s.put_many([("small", b"s" * 100), ("huge", b"h" * 5000)]) == [True, False]
     assert s.stats["skipped_full"] == 1
     assert s.get_many(["small", "huge"]) == [b"s" * 100, None]
-    assert not os.path.exists(_path_of(s, "huge"))
+    assert s.exists_many(["huge"]) == [False]
 
 
 def test_restart_sees_values_and_keeps_lru_order(kv_dir: Path) -> None:
-    unit = HEADER_SIZE + 500
-    s1 = LocalStore(kv_dir, capacity_bytes=1 << 20)
-    s1.put_many([(k, k.encode() * 500) for k in "abc"])
-    now = time.time()
-    for age, key in ((300, "a"), (100, "b"), (200, "c")):  # LRU order on disk: a, c, b
-        os.utime(_path_of(s1, key), (now - age, now - age))
-    assert s1.get_many(["a"]) == [b"a" * 500]  # a hit refreshes the mtime: order c, b, a
-    assert os.path.getmtime(_path_of(s1, "a")) > now - 10
+    s1 = LocalStore(kv_dir, capacity_bytes=4 * SEG, segment_bytes=SEG)
+    per_seg = SEG // record_bytes(3000)
+    batches = [[f"{g}{i}" for i in range(per_seg)] for g in "abcd"]  # one segment each
+    for batch in batches:
+        assert s1.put_many([(k, _value(k)) for k in batch]) == [True] * per_seg
+    assert s1.get_many(["a0"]) == [_value("a0")]  # LRU order of segments now: b, c, d, a
+    s1.close()
 
-    s2 = LocalStore(kv_dir, capacity_bytes=10 * unit)
-    assert len(s2) == 3 and s2.used_bytes == 3 * unit
-    fill = [f"f{i}" for i in range(7)]
-    assert s2.put_many([(k, k.encode().ljust(500, b".")) for k in fill]) == [True] * 7
-    assert s2.put_many([("d", b"d" * 500)]) == [True]  # 11 > 10 units: the 2 oldest go
-    assert s2.exists_many(["a", "b", "c", "d"]) == [True, False, False, True]
-    assert s2.stats["evictions"] == 2
+    s2 = LocalStore(kv_dir, capacity_bytes=4 * SEG, segment_bytes=SEG)
+    assert len(s2) == 4 * per_seg and s2.used_bytes == 4 * per_seg * record_bytes(3000)
+    assert s2.put_many([("e", _value("e"))]) == [True]  # the "b" segment goes
+    assert s2.exists_many(["a0", "b0", "c0", "d0", "e"]) == [True, False, True, True, True]
+    assert s2.stats["evictions"] == per_seg
 
 
-def test_lower_capacity_on_restart_evicts_oldest(kv_dir: Path) -> None:
-    s1 = LocalStore(kv_dir, capacity_bytes=1 << 20)
-    s1.put_many([(f"k{i}", bytes([i]) * 1000) for i in range(5)])
-    now = time.time()
-    for i in range(5):
-        os.utime(_path_of(s1, f"k{i}"), (now - 100 + i, now - 100 + i))
-    s2 = LocalStore(kv_dir, capacity_bytes=3 * (HEADER_SIZE + 1000))  # low water: 2.7 values
-    assert len(s2) == 2 and s2.stats["evictions"] == 3
-    assert s2.exists_many([f"k{i}" for i in range(5)]) == [False, False, False, True, True]
-    assert sum(len(files) for _, _, files in os.walk(kv_dir)) == 2 + 1  # and the ledger
+def test_lower_capacity_on_restart_drops_the_segments_beyond_it(kv_dir: Path, caplog) -> None:
+    s1 = LocalStore(kv_dir, capacity_bytes=6 * SEG, segment_bytes=SEG)
+    per_seg = SEG // record_bytes(3000)
+    for g in "abcdef":
+        s1.put_many([(f"{g}{i}", _value(f"{g}{i}")) for i in range(per_seg)])
+    s1.close()
+    with caplog.at_level("WARNING", logger="ucm_patch.hooks.stores.tier"):
+        s2 = LocalStore(kv_dir, capacity_bytes=4 * SEG, segment_bytes=SEG)
+    assert any("capacity was 6 segments" in r.getMessage() for r in caplog.records)
+    assert len(s2) == 4 * per_seg and s2.stats["evictions"] == 2 * per_seg
+    assert s2.exists_many([f"{g}0" for g in "abcdef"]) == [True] * 4 + [False] * 2
+    assert sorted(p.name for p in kv_dir.glob("seg-*")) == [f"seg-0000{i}" for i in range(4)]
 
 
-def test_startup_removes_stale_temp_files_only(kv_dir: Path) -> None:
-    s = LocalStore(kv_dir, capacity_bytes=1 << 20)
-    s.put_many([("x", b"x")])
-    shard = Path(_path_of(s, "x")).parent
-    stale = shard / f".{'ab' * 16}.1.2.3.tmp"  # a writer that died long ago
-    fresh = shard / f".{'cd' * 16}.1.2.4.tmp"  # a writer still at work
-    foreign = shard / "notes.tmp"  # not ours: never touched
-    for path in (stale, fresh, foreign):
-        path.write_bytes(b"half")
-    old = time.time() - 3600
-    os.utime(stale, (old, old))
-    os.utime(foreign, (old, old))
-    (kv_dir / "README").write_text("not ours")
-    again = LocalStore(kv_dir, capacity_bytes=1 << 20)
-    assert not stale.exists() and fresh.exists() and foreign.exists()
-    assert (kv_dir / "README").exists() and len(again) == 1
+def test_segment_size_is_the_directorys(kv_dir: Path) -> None:
+    """The first process fixes the segment size; later ones read it (their capacity is
+    then counted in those segments)."""
+    LocalStore(kv_dir, capacity_bytes=8 * SEG, segment_bytes=SEG).close()
+    again = LocalStore(kv_dir, capacity_bytes=8 * SEG, segment_bytes=4 * SEG)
+    assert again.disk.segment_bytes == SEG and again.disk.count == 8
 
 
-def test_empty_file_from_a_crash_is_corrupt(kv_dir: Path) -> None:
-    s = LocalStore(kv_dir, capacity_bytes=1 << 20)
+def test_emptied_segment_file_reads_as_corrupt(kv_dir: Path) -> None:
+    s = LocalStore(kv_dir, capacity_bytes=1 << 20, segment_bytes=SEG)
     s.put_many([("k", b"value")])
-    Path(_path_of(s, "k")).write_bytes(b"")  # what a crash without fsync can leave
+    at = s.where("k")
+    assert at is not None
+    Path(at.file).write_bytes(b"")  # what a crash without fsync can leave
     assert s.get_many(["k"]) == [None]
-    assert s.stats["corrupt"] == 1 and not os.path.exists(_path_of(s, "k"))
+    assert s.stats["corrupt"] == 1 and s.exists_many(["k"]) == [False]
 
 
 def test_other_process_writes_are_visible_and_first_wins(kv_dir: Path) -> None:
@@ -181,6 +194,32 @@ def test_fsync_mode_round_trips(kv_dir: Path) -> None:
     assert LocalStore(kv_dir, capacity_bytes=1 << 20).get_many(["k"]) == [b"durable"]
 
 
+def test_memory_tier_spills_to_disk_and_is_shared(kv_dir: Path, shm_dir: Path) -> None:
+    """Puts land in the memory tier; a memory segment being emptied moves its values to
+    the disk tier (no value lost while the disk has room); another process sees both."""
+    s = LocalStore(kv_dir, 1 << 20, memory_bytes=4 * SEG, memory_path=shm_dir, segment_bytes=SEG)
+    per_seg = SEG // record_bytes(3000)
+    keys = [f"k{i}" for i in range(5 * per_seg)]
+    for k in keys:
+        assert s.put_many([(k, _value(k))]) == [True]
+    assert s.stats["spilled"] == per_seg and s.stats["evictions"] == 0
+    assert s.get_many(keys) == [_value(k) for k in keys]
+    assert s.stats["disk_hits"] == per_seg and s.stats["memory_hits"] == 4 * per_seg
+    other = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(
+            f"""
+            from ucm_patch.hooks.stores.local import LocalStore
+            s = LocalStore({str(kv_dir)!r}, 1 << 20, memory_bytes={4 * SEG},
+                           memory_path={str(shm_dir)!r}, segment_bytes={SEG})
+            print(sum(v == k.encode().ljust(3000, b".")
+                      for k, v in zip({keys!r}, s.get_many({keys!r}))))
+            """
+        )],
+        check=True, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert int(other.stdout) == len(keys)
+
+
 # -- real disk errors ------------------------------------------------------------------------
 
 
@@ -195,7 +234,7 @@ def test_directory_under_a_regular_file_fails_at_start(tmp_path: Path) -> None:
 
 
 def _fs_driver(mount: str, out: str) -> None:
-    """Inside a private mount namespace with a 256 KiB tmpfs at ``mount``: fill it with a
+    """Inside a private mount namespace with a 512 KiB tmpfs at ``mount``: fill it with a
     file the store does not own, so that evicting cannot make room, then remount it
     read-only; record what the store does. Run by the test below."""
     report: dict[str, object] = {}
@@ -207,13 +246,13 @@ def _fs_driver(mount: str, out: str) -> None:
     except OSError:
         pass
     os.close(fd)
-    os.truncate(blocker, os.path.getsize(blocker) - (40 << 10))  # 40 KiB free
+    os.truncate(blocker, os.path.getsize(blocker) - (160 << 10))  # 160 KiB free
     s = LocalStore(os.path.join(mount, "kv"), capacity_bytes=64 << 20)
     stored = [f"small-{i}" for i in range(2)]
     report["small_puts"] = s.put_many([(k, os.urandom(8 << 10)) for k in stored])
     key = "too-big"
     try:
-        s.put_many([(key, os.urandom(64 << 10))])  # more than the free space + ours
+        s.put_many([(key, os.urandom(256 << 10))])  # more than the free space + ours
         report["enospc_errno"] = None
     except StoreError as exc:
         report["enospc_errno"] = getattr(exc.__cause__, "errno", None)
@@ -223,9 +262,8 @@ def _fs_driver(mount: str, out: str) -> None:
     report["errors_counted"] = s.stats["errors"]
     report["disk_full"] = s.stats["disk_full"]
     report["evicted_to_make_room"] = s.stats["evictions"]
-    report["tmp_left"] = [n for _, _, fs in os.walk(mount) for n in fs if n.endswith(".tmp")]
     report["ro_put"] = s.put_many([("ro-key", b"r" * 1000)])
-    s.close()  # its ledger is open for writing, which makes the remount busy
+    s.close()  # its files are open for writing, which makes the remount busy
     subprocess.run(["mount", "-o", "remount,ro", mount], check=True)
     s = LocalStore(os.path.join(mount, "kv"), capacity_bytes=64 << 20)
     try:
@@ -235,7 +273,7 @@ def _fs_driver(mount: str, out: str) -> None:
         report["erofs_errno"] = getattr(exc.__cause__, "errno", None)
     report["ro_read_ok"] = s.get_many(["ro-key"]) == [b"r" * 1000]
     report["ro_restart_ok"] = len(LocalStore(os.path.join(mount, "kv"), 64 << 20)) >= 1
-    tiny = LocalStore(os.path.join(mount, "kv"), capacity_bytes=1)  # eviction cannot unlink
+    tiny = LocalStore(os.path.join(mount, "kv"), capacity_bytes=1)  # cannot drop segments
     report["ro_tiny_capacity_read_ok"] = tiny.get_many(["ro-key"]) == [b"r" * 1000]
     Path(out).write_text(json.dumps(report))
 
@@ -245,7 +283,7 @@ def test_disk_full_and_read_only_raise_store_error(tmp_path: Path) -> None:
     mount.mkdir()
     unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
     script = (
-        f"mount -t tmpfs -o size=256k tmpfs {mount} && "
+        f"mount -t tmpfs -o size=512k tmpfs {mount} && "
         f"exec {sys.executable} {Path(__file__).resolve()} --fs-driver {mount} {out}"
     )
     assert shutil.which("unshare"), "util-linux 'unshare' is required for this test"
@@ -255,13 +293,12 @@ def test_disk_full_and_read_only_raise_store_error(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"driver failed:\n{proc.stdout}\n{proc.stderr}"
     r = json.loads(out.read_text())
     assert r["small_puts"] == [True, True], r
-    # ENOSPC: the store evicted its own two values, retried once, then gave up
+    # ENOSPC: the store emptied its own segment (the two values), retried once, gave up
     assert r["enospc_errno"] == errno.ENOSPC, r
     assert "No space left" in r["enospc_message"], r
     assert r["disk_full"] == 1 and r["evicted_to_make_room"] == 2, r
     assert r["errors_counted"] == 1, r
     assert r["failed_key_visible"] is False and r["failed_key_get"] is True, r
-    assert r["tmp_left"] == [], r
     assert r["ro_put"] == [True], r
     assert r["erofs_errno"] == errno.EROFS, r
     assert r["ro_read_ok"] is True and r["ro_restart_ok"] is True, r
@@ -289,7 +326,13 @@ def test_default_store_is_local_under_xdg_cache(tmp_path: Path, monkeypatch) -> 
     assert s.path == str(tmp_path / "xdg" / "ucm_patch" / "kv") and os.path.isdir(s.path)
     assert len(seen) == 1, seen
     free = seen[0].f_bavail * seen[0].f_frsize
-    assert s.capacity_bytes == min(10 << 30, free) and s.fsync is False
+    segment = s.disk.segment_bytes
+    assert s.capacity_bytes == min(10 << 30, free) // segment * segment and s.fsync is False
+    # the memory tier: on the runtime directory's file system, an eighth of it, <= 2 GiB
+    assert s.memory is not None and s.memory.path.startswith(os.environ["XDG_RUNTIME_DIR"])
+    vfs = os.statvfs(os.environ["XDG_RUNTIME_DIR"])
+    wanted = min(2 << 30, vfs.f_blocks * vfs.f_frsize // 8)
+    assert s.memory.capacity_bytes == wanted // s.memory.segment_bytes * s.memory.segment_bytes
 
 
 def test_default_store_falls_back_to_home_cache(tmp_path: Path, monkeypatch) -> None:
@@ -306,6 +349,21 @@ def test_explicit_local_config(tmp_path: Path) -> None:
     )
     assert isinstance(s, LocalStore)
     assert (s.capacity_bytes, s.fsync) == (2 << 20, True)
+    shm = tmp_path / "shm"
+    s = make_store(
+        {"local_path": str(tmp_path / "e"), "local_capacity_bytes": "8MiB"}
+        | {"local_memory_bytes": "4MiB", "local_memory_path": str(shm)}
+        | {"local_segment_bytes": "1MiB"}
+    )
+    assert isinstance(s, LocalStore) and s.memory is not None
+    assert (s.memory.path, s.memory.capacity_bytes, s.memory.segment_bytes) == (
+        str(shm),
+        4 << 20,
+        1 << 20,
+    )
+    assert (s.disk.capacity_bytes, s.disk.segment_bytes) == (8 << 20, 1 << 20)
+    no_memory = make_store({"local_path": str(tmp_path / "f"), "local_memory_bytes": 0})
+    assert isinstance(no_memory, LocalStore) and no_memory.memory is None
 
 
 @pytest.mark.parametrize(
@@ -321,6 +379,9 @@ def test_explicit_local_config(tmp_path: Path) -> None:
         ({"local_capacity_bytes": True}, "local_capacity_bytes", "bool"),
         ({"local_capacity_bytes": [1]}, "local_capacity_bytes", "512MiB"),
         ({"local_fsync": "yes"}, "local_fsync", "true or false"),
+        ({"local_memory_bytes": "1GB"}, "local_memory_bytes", "GiB"),
+        ({"local_memory_path": ""}, "local_memory_path", "non-empty"),
+        ({"local_segment_bytes": 100}, "local_segment_bytes", "at least 4096"),
         ({"local_path": ""}, "local_path", "non-empty"),
         ({"store": "mooncake", "mooncake_master": "nohost"}, "mooncake_master", "host:port"),
         ({"store": "mooncake", "mooncake_master": "h:70000"}, "mooncake_master", "65535"),

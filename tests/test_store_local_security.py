@@ -13,12 +13,9 @@ import pytest
 from ucm_patch.hooks.stores import StoreConfigError, make_store
 from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.framing import (
-    HEADER_SIZE,
     KEY_ENV,
     KEY_FILE_ENV,
-    as_bytes_view,
     load_store_key,
-    make_header,
 )
 from ucm_patch.hooks.stores.local import LocalStore
 
@@ -35,16 +32,25 @@ def _mode(path: str | Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-def _path_of(store: LocalStore, key: str) -> str:
-    return store._file(store._digest(key.encode()))
+def _segment_of(store: LocalStore, key: str) -> str:
+    at = store.where(key)
+    assert at is not None, key
+    return at.file
 
 
-def _plant(store: LocalStore, key: str, payload: bytes, secret: bytes | None = None) -> None:
-    """Write a value file as a writer outside the store would (CRC frame unless keyed)."""
-    path = _path_of(store, key)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    view = as_bytes_view(payload)
-    Path(path).write_bytes(make_header(key.encode(), view, secret) + payload)
+def _plant(path: Path, key: str, payload: bytes, secret: str | None) -> None:
+    """Store a value as a writer outside this store would: another process sharing the
+    directory, without the key (``secret`` None: checksum frame) or with another one."""
+    env = {k: os.environ.pop(k) for k in (KEY_ENV, KEY_FILE_ENV) if k in os.environ}
+    if secret is not None:
+        os.environ[KEY_ENV] = secret
+    try:
+        writer = LocalStore(path, capacity_bytes=1 << 20)
+        assert writer.put_many([(key, payload)]) == [True]
+        writer.close()
+    finally:
+        os.environ.pop(KEY_ENV, None)
+        os.environ.update(env)
 
 
 # -- modes -----------------------------------------------------------------------------------
@@ -53,15 +59,19 @@ def _plant(store: LocalStore, key: str, payload: bytes, secret: bytes | None = N
 def test_new_directories_and_files_are_owner_only(tmp_path: Path) -> None:
     old = os.umask(0o022)  # a usual umask would leave 0755 / 0644
     try:
-        s = LocalStore(tmp_path / "kv", capacity_bytes=1 << 20)
+        s = LocalStore(tmp_path / "kv", 1 << 20, memory_bytes=1 << 20, memory_path=tmp_path / "m")
         assert s.put_many([("k", b"v" * 100)]) == [True]
+        s.memory = None  # type: ignore[assignment]  (the next put goes to disk too)
+        s.tiers = (s.disk,)
+        assert s.put_many([("d", b"v" * 100)]) == [True]
     finally:
         os.umask(old)
-    value = _path_of(s, "k")
-    assert _mode(tmp_path / "kv") == 0o700
-    assert _mode(os.path.dirname(value)) == 0o700
-    assert _mode(value) == 0o600
-    assert _mode(tmp_path / "kv" / ".ucm_ledger") == 0o600
+    for tier in ("kv", "m"):
+        root = tmp_path / tier
+        assert _mode(root) == 0o700 and _mode(root / "index") == 0o700, tier
+        files = [root / "lru", root / "seg-00000", root / "index" / "data.mdb"]
+        files.append(root / "index" / "lock.mdb")
+        assert {f.name: _mode(f) for f in files} == {f.name: 0o600 for f in files}, tier
 
 
 def test_modes_are_configurable(tmp_path: Path) -> None:
@@ -69,15 +79,15 @@ def test_modes_are_configurable(tmp_path: Path) -> None:
     try:
         s = make_store(
             {"local_path": str(tmp_path / "kv"), "local_dir_mode": "0750"}
-            | {"local_file_mode": 0o640}
+            | {"local_file_mode": 0o640, "local_memory_bytes": 0}
         )
         assert s.put_many([("k", b"v")]) == [True]
     finally:
         os.umask(old)
     assert isinstance(s, LocalStore)
-    value = _path_of(s, "k")
-    assert (_mode(tmp_path / "kv"), _mode(os.path.dirname(value))) == (0o750, 0o750)
-    assert _mode(value) == 0o640
+    assert (_mode(tmp_path / "kv"), _mode(tmp_path / "kv" / "index")) == (0o750, 0o750)
+    assert _mode(_segment_of(s, "k")) == 0o640
+    assert _mode(tmp_path / "kv" / "index" / "data.mdb") == 0o640
 
 
 @pytest.mark.parametrize(
@@ -99,44 +109,43 @@ def test_bad_mode_names_key(tmp_path: Path, config: dict, named: str, listed: st
 # -- symlinks --------------------------------------------------------------------------------
 
 
-def test_symlink_in_place_of_a_value_is_a_miss(tmp_path: Path) -> None:
-    s = LocalStore(tmp_path / "kv", capacity_bytes=1 << 20)
-    outside = tmp_path / "outside"
-    s2 = LocalStore(outside, capacity_bytes=1 << 20)
-    assert s2.put_many([("k", b"secret elsewhere")]) == [True]
-    target = _path_of(s2, "k")  # a valid frame for "k", outside the store
-    link = _path_of(s, "k")
-    os.makedirs(os.path.dirname(link))
+@pytest.mark.parametrize("tier", ["disk", "memory"])
+def test_symlink_in_place_of_a_segment_is_never_followed(tmp_path: Path, tier: str) -> None:
+    """A segment replaced by a link to another store's segment (holding a valid frame for
+    the same key at the same place): a miss, the link is not followed but removed by the
+    next put, and the other store's file is never touched."""
+    memory = {"memory_bytes": 1 << 20, "memory_path": tmp_path / "m"} if tier == "memory" else {}
+    s = LocalStore(tmp_path / "kv", 1 << 20, **memory)
+    victim = LocalStore(tmp_path / "victim", 1 << 20, **memory and {"memory_path": tmp_path / "v"})
+    assert victim.put_many([("k", b"secret elsewhere")]) == [True]
+    assert s.put_many([("k", b"secret elsewhere")]) == [True]
+    target, link = _segment_of(victim, "k"), _segment_of(s, "k")
+    assert s.where("k").offset == victim.where("k").offset  # type: ignore[union-attr]
+    before = Path(target).read_bytes()
+    os.unlink(link)
     os.symlink(target, link)
-    assert s.exists_many(["k"]) == [False]
     assert s.get_many(["k"]) == [None]
-    assert s.stats["corrupt"] == 1 and not os.path.lexists(link)
-    assert Path(target).exists()  # the link was removed, not what it pointed to
-    os.symlink(target, link)  # a put replaces a planted link with a real file
-    assert s.put_many([("k", b"mine")]) == [True]
-    assert not os.path.islink(link) and s.get_many(["k"]) == [b"mine"]
-    assert s2.get_many(["k"]) == [b"secret elsewhere"]
+    assert s.stats["corrupt"] == 1 and s.exists_many(["k"]) == [False]
+    assert s.put_many([("k2", b"mine")]) == [True]  # the writer's segment: link replaced
+    assert not os.path.islink(link) and s.get_many(["k2"]) == [b"mine"]
+    assert Path(target).read_bytes() == before
+    assert victim.get_many(["k"]) == [b"secret elsewhere"]
 
 
-def test_symlinked_shard_directory_is_never_followed(tmp_path: Path) -> None:
-    root = tmp_path / "kv"
-    s = LocalStore(root, capacity_bytes=4 * (HEADER_SIZE + 100))
-    elsewhere = tmp_path / "victim"
-    victim = LocalStore(elsewhere, capacity_bytes=1 << 20)
+def test_symlinked_index_is_refused_at_start(tmp_path: Path) -> None:
+    victim = LocalStore(tmp_path / "victim", capacity_bytes=1 << 20)
     assert victim.put_many([("k", b"v" * 100)]) == [True]
-    shard = os.path.basename(os.path.dirname(_path_of(s, "k")))
-    os.symlink(elsewhere / shard, root / shard)  # root/<shard> -> victim's shard
-    assert s.exists_many(["k"]) == [False] and s.get_many(["k"]) == [None]
+    root = tmp_path / "kv"
+    root.mkdir()
+    os.symlink(tmp_path / "victim" / "index", root / "index")
     with pytest.raises(StoreError, match="not a directory"):
-        s.put_many([("k", b"w" * 100)])
-    # fill the store so it evicts: nothing in the victim's directory is touched
-    others = [f"o{i}" for i in range(40)]
-    for key in others:
-        if os.path.basename(os.path.dirname(_path_of(s, key))) != shard:
-            assert s.put_many([(key, b"o" * 100)]) == [True]
-    assert s.stats["evictions"] > 0
+        LocalStore(root, capacity_bytes=1 << 20)
+    (tmp_path / "kv2" / "index").mkdir(parents=True)
+    os.symlink(tmp_path / "victim" / "index" / "data.mdb", tmp_path / "kv2" / "index" / "data.mdb")
+    fresh = LocalStore(tmp_path / "kv2", capacity_bytes=1 << 20)  # the link removed, not used
+    assert fresh.exists_many(["k"]) == [False] and len(fresh) == 0
+    assert not os.path.islink(tmp_path / "kv2" / "index" / "data.mdb")
     assert victim.get_many(["k"]) == [b"v" * 100]
-    assert len(s) <= 4
 
 
 # -- keyed integrity -------------------------------------------------------------------------
@@ -147,8 +156,8 @@ def test_forged_value_is_a_miss_with_a_key(tmp_path: Path, monkeypatch) -> None:
     s = LocalStore(tmp_path / "kv", capacity_bytes=1 << 20)
     assert s.put_many([("mine", b"good")]) == [True]
     assert s.get_many(["mine"]) == [b"good"]
-    _plant(s, "crc-only", b"forged")  # a writer without the key: CRC frame
-    _plant(s, "other-key", b"forged", secret=b"x" * 32)  # a writer with another key
+    _plant(tmp_path / "kv", "crc-only", b"forged", None)  # a writer without the key
+    _plant(tmp_path / "kv", "other-key", b"forged", "x" * 32)  # a writer with another key
     assert s.exists_many(["crc-only", "other-key"]) == [True, True]  # present, not served
     assert s.get_many(["crc-only", "other-key"]) == [None, None]
     assert s.stats["corrupt"] == 2

@@ -1,4 +1,4 @@
-"""Local store shared by several processes: the directory is the truth, one capacity.
+"""Local store shared by several processes: the index is the truth, one capacity.
 
 Each process here is a separate Python interpreter (``subprocess``) running a small driver
 (this file as a script), so no state is shared except the directory itself.
@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ucm_patch.hooks.stores.framing import HEADER_SIZE
 from ucm_patch.hooks.stores.local import LocalStore
+from ucm_patch.hooks.stores.tier import Tier
 
 VALUE_MIN, VALUE_MAX = 2 << 10, 6 << 10
 CAPACITY = 40 * (HEADER_SIZE + (4 << 10))  # about 40 values: constant eviction pressure
@@ -98,9 +98,9 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
     )
 
 
-def _disk_bytes(path: Path) -> int:
-    """Bytes of every value and temp file (the ledger excluded)."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name != ".ucm_ledger")
+def _segment_bytes(path: Path) -> int:
+    """Bytes of every segment file (what the capacity bounds)."""
+    return sum(p.stat().st_size for p in path.glob("seg-*"))
 
 
 def test_processes_share_one_capacity_and_agree(tmp_path: Path) -> None:
@@ -117,13 +117,10 @@ def test_processes_share_one_capacity_and_agree(tmp_path: Path) -> None:
     assert sum(r["stats"]["corrupt"] for r in results) == 0, results
     evictions = sum(r["stats"]["evictions"] for r in results)
     assert evictions > len(KEYS) // 2, results  # the capacity really was under pressure
-    # one capacity for the directory, not one per process (4 x CAPACITY before)
-    assert _disk_bytes(path) <= CAPACITY + HEADER_SIZE + VALUE_MAX
-    assert not [p for p in path.rglob("*.tmp")]
-    # the shared ledger tracks the disk: never below it, above only by values whose temp
-    # file a scan counted before their writer reserved them (at most one per writer)
-    ledger = int.from_bytes((path / ".ucm_ledger").read_bytes()[8:16], "little")
-    assert _disk_bytes(path) <= ledger <= _disk_bytes(path) + 4 * (HEADER_SIZE + VALUE_MAX)
+    # one capacity for the directory, not one per process
+    capacity = LocalStore(path, capacity_bytes=CAPACITY).capacity_bytes
+    assert 0 < _segment_bytes(path) <= capacity <= CAPACITY
+    assert len(list(path.glob("seg-*"))) <= 4  # 4 segments: CAPACITY // MIN_SEGMENTS each
     # every process sees the same keys, and exists agrees with get in each of them
     views = []
     for _ in range(3):
@@ -155,83 +152,92 @@ class _Peer:
         assert self.proc.wait(timeout=30) == 0
 
 
+SEG = 4096
+PEER_CAPACITY = 4 * SEG  # 4 segments of 3 values of 1000 bytes
+
+
 @pytest.fixture
 def peer(tmp_path: Path):  # type: ignore[no-untyped-def]
-    p = _Peer(tmp_path / "kv", 4 * (HEADER_SIZE + 1000))
+    p = _Peer(tmp_path / "kv", PEER_CAPACITY)
     yield p
     p.close()
 
 
-def test_put_after_another_process_evicted_writes_the_file(tmp_path: Path, peer: _Peer) -> None:
-    """A puts k; B evicts it; A puts k again: the file is back and both processes see it
-    (A's memory of having stored k once must not answer for the disk)."""
-    a = LocalStore(tmp_path / "kv", capacity_bytes=4 * (HEADER_SIZE + 1000))
+def test_put_after_another_process_evicted_writes_it_again(tmp_path: Path, peer: _Peer) -> None:
+    """A puts k; B evicts it; A puts k again: the value is back and both processes see it
+    (A's memory of having stored k once must not answer for the index)."""
+    a = LocalStore(tmp_path / "kv", capacity_bytes=PEER_CAPACITY)
     assert a.put_many([("k", b"v" * 1000)]) == [True]
     assert peer("exists", "k") == [True]
-    for i in range(4):  # B fills the shared capacity: k, the oldest, is evicted
+    for i in range(12):  # B fills the shared capacity: k's segment, the oldest, is emptied
         assert peer("put", f"other-{i}", 1000) == [True]
     assert a.exists_many(["k"]) == [False] and peer("exists", "k") == [False]
     assert a.get_many(["k"]) == [None]
     assert a.put_many([("k", b"v" * 1000)]) == [True]
-    assert os.path.isfile(a._file(a._digest(b"k")))
+    assert a.where("k") is not None
     assert a.exists_many(["k"]) == [True] and a.get_many(["k"]) == [b"v" * 1000]
     assert peer("exists", "k") == [True] and peer("get", "k") == 1000
 
 
 def test_value_evicted_mid_read_is_a_miss(tmp_path: Path, monkeypatch) -> None:
-    """A reader whose file is unlinked while it reads answers as the disk now does."""
-    s = LocalStore(tmp_path / "kv", capacity_bytes=1 << 20)
-    assert s.put_many([("k", b"x" * 5000)]) == [True]
-    path = s._file(s._digest(b"k"))
-    import ucm_patch.hooks.stores.local as local
-
-    real = local._read_exact
+    """A reader whose segment is emptied and rewritten while it copies answers as the
+    index now does: a miss, not corrupt, not the new bytes."""
+    s = LocalStore(tmp_path / "kv", capacity_bytes=4 * SEG, segment_bytes=SEG)
+    assert s.put_many([("k", b"x" * 1000)]) == [True]
+    other = LocalStore(tmp_path / "kv", capacity_bytes=4 * SEG, segment_bytes=SEG)
+    real = Tier.read
     calls = []
 
-    def read_then_evict(fd: int, n: int) -> bytes:
-        data = real(fd, n)
-        calls.append(n)
-        if len(calls) == 2:  # the payload has been read: another process evicts now
-            os.unlink(path)
+    def read_then_evict(self: Tier, loc):  # type: ignore[no-untyped-def]
+        data = real(self, loc)
+        calls.append(loc)
+        if len(calls) == 1:  # the bytes are copied: another process empties the segment
+            row = self.index.segments()[loc.seg]
+            assert self._empty(loc.seg, row, remove=False) is not None
+            self.index.release(loc.seg, row.gen + 1, os.getpid())
         return data
 
-    monkeypatch.setattr(local, "_read_exact", read_then_evict)
+    monkeypatch.setattr(Tier, "read", read_then_evict)
     assert s.get_many(["k"]) == [None]
     assert s.stats["misses"] == 1 and s.stats["corrupt"] == 0
+    assert other.exists_many(["k"]) == [False]
 
 
-def test_ledger_drift_is_healed_without_evicting(tmp_path: Path, caplog) -> None:
-    """A ledger left wrong (a crash between write and accounting) is corrected by the next
-    scan; a high one does not make the store evict what still fits."""
-    unit = HEADER_SIZE + 1000
-    s = LocalStore(tmp_path / "kv", capacity_bytes=10 * unit)
-    assert s.put_many([(f"k{i}", b"v" * 1000) for i in range(5)]) == [True] * 5
-    ledger = tmp_path / "kv" / ".ucm_ledger"
-    raw = bytearray(ledger.read_bytes())
-    raw[8:16] = (10 * unit).to_bytes(8, "little")  # claims full; 5 units really
-    ledger.write_bytes(bytes(raw))
-    assert s.put_many([("more", b"m" * 1000)]) == [True]
-    assert s.stats["evictions"] == 0 and s.used_bytes == 6 * unit
-    with caplog.at_level("WARNING", logger="ucm_patch.hooks.stores.local"):
-        smaller = LocalStore(tmp_path / "kv", capacity_bytes=5 * unit)  # a restart, smaller
-    assert any("used capacity" in r.getMessage() for r in caplog.records)
-    assert smaller.used_bytes <= int(5 * unit * 0.9) and len(smaller) == 4
+def test_dead_writers_segment_is_taken_over(tmp_path: Path) -> None:
+    """A process that dies holding a segment (killed between its lease and its release)
+    does not keep it: once its pid is gone, the segment is another writer's to use."""
+    path = tmp_path / "kv"
+    code = (
+        "import os, sys; from ucm_patch.hooks.stores.local import LocalStore\n"
+        f"s = LocalStore({str(path)!r}, capacity_bytes={4 * SEG}, segment_bytes={SEG})\n"
+        "assert s.put_many([('before', b'b' * 1000)]) == [True]\n"
+        "s.disk._new_lease(1088)  # leased, never released: then the process dies\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    s = LocalStore(path, capacity_bytes=4 * SEG, segment_bytes=SEG)
+    owners = {row.owner for row in s.disk.index.segments().values()}
+    assert owners - {0}, "the dead process's lease should still be recorded"
+    for i in range(12):  # more than the other three segments hold
+        assert s.put_many([(f"n{i}", b"n" * 1000)]) == [True]
+    assert all(row.owner == 0 for row in s.disk.index.segments().values())
+    assert s.get_many(["n11"]) == [b"n" * 1000]
 
 
-def test_shard_deleted_behind_the_store_is_recreated(tmp_path: Path) -> None:
-    """Another process (or a person) removing a shard directory does not leave this store
+def test_segment_deleted_behind_the_store_is_recreated(tmp_path: Path) -> None:
+    """Another process (or a person) deleting a segment file does not leave this store
     writing into, or reading from, the deleted one."""
-    s = LocalStore(tmp_path / "kv", capacity_bytes=1 << 20)
+    s = LocalStore(tmp_path / "kv", capacity_bytes=4 * SEG, segment_bytes=SEG)
     assert s.put_many([("k", b"old")]) == [True]
-    shard = os.path.dirname(s._file(s._digest(b"k")))
-    shutil.rmtree(shard)
-    assert s.exists_many(["k"]) == [False] and s.get_many(["k"]) == [None]
-    other = LocalStore(tmp_path / "kv", capacity_bytes=1 << 20)
-    assert other.put_many([("k", b"new")]) == [True]  # a new shard of the same name
+    segment = s.where("k").file  # type: ignore[union-attr]
+    os.unlink(segment)
+    assert s.get_many(["k"]) == [None] and s.exists_many(["k"]) == [False]
+    other = LocalStore(tmp_path / "kv", capacity_bytes=4 * SEG, segment_bytes=SEG)
+    assert other.put_many([("k", b"new")]) == [True]  # a new file of the same name
     assert s.exists_many(["k"]) == [True] and s.get_many(["k"]) == [b"new"]
-    shutil.rmtree(shard)
-    assert s.put_many([("k", b"again")]) == [True]
-    assert os.path.isfile(s._file(s._digest(b"k"))) and other.get_many(["k"]) == [b"again"]
+    os.unlink(segment)
+    assert s.put_many([("k2", b"again")]) == [True]
+    assert os.path.isfile(s.where("k2").file) and other.get_many(["k2"]) == [b"again"]  # type: ignore[union-attr]
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--driver"]:

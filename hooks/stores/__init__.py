@@ -74,6 +74,10 @@ def _local_buffer_size(key: str, value: object) -> int:
     return parse_size(key, value, minimum=1 << 20)
 
 
+def _segment_size(key: str, value: object) -> int:
+    return parse_size(key, value, minimum=4096)
+
+
 def _bool(key: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise StoreConfigError(f"{key}: expected true or false, got {value!r}")
@@ -170,9 +174,27 @@ LOCAL_KEYS: dict[str, tuple[Callable[[str, object], Any], Any, str]] = {
         "LRU capacity for the directory, shared by all processes (default 10GiB, capped at "
         "start by free space + bytes stored)",
     ),
-    "local_fsync": (_bool, False, "fsync file + directory on every put (default false)"),
+    "local_memory_bytes": (
+        parse_size,
+        None,
+        "memory tier shared by the host's processes, spilling to local_path; 0 disables it "
+        "(default: an eighth of the tmpfs, at most 2GiB)",
+    ),
+    "local_memory_path": (
+        _path,
+        None,
+        "memory tier directory, on a tmpfs (default: $XDG_RUNTIME_DIR/ucm_patch/<id>, "
+        "else /dev/shm/ucm_patch-<uid>/<id>)",
+    ),
+    "local_segment_bytes": (
+        _segment_size,
+        64 << 20,
+        "size of the files values are packed into, fixed per directory at its creation "
+        "(default 64MiB; a value must fit in one)",
+    ),
+    "local_fsync": (_bool, False, "fsync segment + index on every put (default false)"),
     "local_dir_mode": (_mode(0o700), 0o700, "mode of new directories (default 0700)"),
-    "local_file_mode": (_mode(0o600), 0o600, "mode of new value files (default 0600)"),
+    "local_file_mode": (_mode(0o600), 0o600, "mode of new store files (default 0600)"),
 }
 MOONCAKE_KEYS: dict[str, tuple[Callable[[str, object], Any], Any, str]] = {
     "mooncake_master": (_host_port, "127.0.0.1:50051", "master RPC address host:port"),
@@ -237,14 +259,21 @@ def make_store(config: Mapping[str, Any] | None = None) -> KVStore:
     """
     kind, c = parse_store_config(config)
     if kind == "local":
-        from ucm_patch.hooks.stores.local import LocalStore
+        from ucm_patch.hooks.stores.local import LocalStore, default_memory_bytes
 
+        memory_path = c["local_memory_path"]
+        memory_bytes = c["local_memory_bytes"]
+        if memory_bytes is None:
+            memory_bytes = default_memory_bytes(memory_path, c["local_path"])
         return LocalStore(
             c["local_path"],
             c["local_capacity_bytes"],
             fsync=c["local_fsync"],
             dir_mode=c["local_dir_mode"],
             file_mode=c["local_file_mode"],
+            memory_bytes=memory_bytes,
+            memory_path=memory_path,
+            segment_bytes=c["local_segment_bytes"],
         )
     from ucm_patch.hooks.stores.mooncake import MooncakeStore
 

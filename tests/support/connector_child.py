@@ -314,15 +314,24 @@ def _break_gets() -> dict[str, Any]:
     return {"broken": True}
 
 
+def _local_store(spec: dict[str, Any]) -> Any:
+    """The run's local store, opened as the connector opens it (both tiers)."""
+    from ucm_patch.hooks.stores import make_store, split_store_config
+
+    return make_store(split_store_config(spec["extra"])[0])
+
+
 def _corrupt(spec: dict[str, Any], count: int) -> dict[str, Any]:
-    root = Path(spec["extra"]["local_path"])
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    store = _local_store(spec)
     done = []
-    for path in files[:count]:
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF  # last payload byte: the frame checksum no longer matches
-        path.write_bytes(bytes(data))
-        done.append(str(path))
+    for at in store.placements()[:count]:
+        with open(at.file, "r+b") as f:  # last payload byte: the checksum no longer matches
+            f.seek(at.offset + at.size - 1)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        done.append(f"{at.file}@{at.offset}")
+    store.close()
     return {"corrupted": done}
 
 
@@ -344,36 +353,23 @@ def _record_put_keys() -> None:
 
 
 def _mutate(spec: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite each recorded value with a changed payload and a valid frame.
+    """Rewrite each recorded value in place with a changed payload and a valid frame."""
+    from ucm_patch.hooks.stores.framing import HEADER_SIZE, key_bytes, make_header
 
-    The file of a key is found by its frame (the checksum covers the key), not by the
-    store's file naming, so this depends only on the frame format."""
-    from ucm_patch.hooks.stores.framing import (
-        HEADER_SIZE,
-        CorruptValue,
-        key_bytes,
-        make_header,
-        verify,
-    )
-
-    root = Path(spec["extra"]["local_path"])
-    files = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name[0] != "."}
+    store = _local_store(spec)
     mutated = 0
     for key in dict.fromkeys(_PUT_KEYS):
-        kb = key_bytes(key)
-        for path, data in files.items():
-            try:
-                verify(kb, data[:HEADER_SIZE], data[HEADER_SIZE:])
-            except CorruptValue:
-                continue
-            payload = bytearray(data[HEADER_SIZE:])
+        at = store.where(key)
+        if at is None:
+            continue
+        with open(at.file, "r+b") as f:
+            f.seek(at.offset)
+            payload = bytearray(f.read(at.size))
             payload[1::2] = bytes(b ^ 0x80 for b in payload[1::2])
-            tmp = path.with_name(f".{path.name}.mutate")
-            tmp.write_bytes(make_header(kb, memoryview(payload)) + bytes(payload))
-            os.chmod(tmp, path.stat().st_mode & 0o777)
-            os.replace(tmp, path)
-            mutated += 1
-            break
+            f.seek(at.offset - HEADER_SIZE)
+            f.write(make_header(key_bytes(key), memoryview(payload)) + bytes(payload))
+        mutated += 1
+    store.close()
     return {"keys": len(set(_PUT_KEYS)), "mutated": mutated}
 
 

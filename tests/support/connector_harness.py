@@ -14,7 +14,6 @@ scheduler consumes the worker output.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,7 +32,6 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
 )
 
-from ucm_patch.hooks.stores.framing import key_bytes
 from ucm_patch.hooks.stores.local import LocalStore
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -274,25 +272,16 @@ class ControlledLocalStore(LocalStore):
                 self._cv.notify_all()
 
     # -- inspecting and changing values -----------------------------------------------
-    def path_of(self, key: str) -> Path:
-        """The file holding ``key``'s value."""
-        return Path(self._file(self._digest(key_bytes(key))))
-
-    def files(self) -> list[Path]:
-        """Every value file in the directory (temp files excluded)."""
-        return sorted(p for p in Path(self.path).rglob("*") if p.is_file() and p.name[0] != ".")
-
     def payload(self, key: str) -> bytes | None:
         """``key``'s value through the store's own read (frame checked)."""
         return self.get_many([key])[0]
 
     def remove(self, key: str) -> bytes:
-        """Delete ``key``'s value (file and index) and return its payload."""
+        """Drop ``key``'s value (as an eviction would) and return its payload."""
         value = self.payload(key)
         if value is None:
             raise KeyError(f"remove: no value stored under key {key!r}")
-        os.unlink(self.path_of(key))
-        self._forget(self._digest(key_bytes(key)))
+        assert self.forget([key]) == 1, key
         return value
 
     def replace(self, key: str, payload: bytes) -> None:
@@ -300,12 +289,6 @@ class ControlledLocalStore(LocalStore):
         if self.payload(key) is not None:
             self.remove(key)
         assert self.put_many([(key, payload)]) == [True], key
-
-    def clear(self) -> None:
-        """Delete every value (files and index)."""
-        for path in self.files():
-            os.unlink(path)
-            self._forget(path.name)
 
 
 @pytest.fixture(name="store")

@@ -1,0 +1,271 @@
+"""The segment files of one tier: fixed-size files that hold many values each, reused.
+
+Why segments: a file per value costs a create, a link and an unlink per value (the old
+local store put at a few percent of memcpy, whatever the hardware). A segment is created
+once and then rewritten in place for ever: a put is one ``pwritev`` (disk tier) or one
+copy into a shared mapping (memory tier) per batch, into pages the kernel already has.
+
+Two ways to reach the bytes, one per tier:
+
+* :class:`FileSegments` (disk tier): ``pwritev`` / ``preadv``. A full disk reports ENOSPC
+  on the write, which the tier answers by evicting and retrying.
+* :class:`MappedSegments` (memory tier, a tmpfs such as ``/dev/shm``): each segment is
+  ``mmap``-ed once per process, so a put and a get are one ``memcpy`` each. A store into a
+  hole of a full tmpfs would raise SIGBUS, so every range is ``posix_fallocate``-d before
+  it is written (ENOSPC comes back as an error), and every read checks the file's size
+  first (a file truncated behind the store reads as corrupt, never as SIGBUS).
+
+Files are opened through the tier directory's descriptor with ``O_NOFOLLOW``: a symlink
+planted in place of a segment is never followed (:class:`SegmentLost`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import threading
+
+from ucm_patch.hooks.stores.framing import CorruptValue
+
+_FLAGS = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+class SegmentLost(OSError):
+    """A segment file is missing, or is not a regular file (a planted symlink)."""
+
+
+def segment_name(seg: int) -> str:
+    return f"seg-{seg:05d}"
+
+
+class FileSegments:
+    """Segments read and written with ``preadv`` / ``pwritev`` (the disk tier)."""
+
+    def __init__(self, dir_fd: int, path: str, segment_bytes: int, file_mode: int) -> None:
+        self.dir_fd = dir_fd
+        self.path = path
+        self.segment_bytes = segment_bytes
+        self.file_mode = file_mode
+        self._fds: dict[int, int] = {}
+        self._checked: dict[int, tuple[int, os.stat_result]] = {}  # this batch's live_fd
+        self._lock = threading.Lock()  # guards _fds; never held across I/O
+
+    def where(self, seg: int) -> str:
+        return os.path.join(self.path, segment_name(seg))
+
+    def fd(self, seg: int, create: bool = False) -> int:
+        """The segment's descriptor (cached). SegmentLost when it is gone or not a file."""
+        fd = self._fds.get(seg)
+        if fd is not None:
+            return fd
+        flags = _FLAGS | (os.O_CREAT if create else 0)
+        try:
+            try:
+                fd = os.open(segment_name(seg), flags, self.file_mode, dir_fd=self.dir_fd)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP or not create:
+                    raise
+                # a symlink planted where our segment belongs: removed, never followed
+                os.unlink(segment_name(seg), dir_fd=self.dir_fd)
+                fd = os.open(segment_name(seg), flags, self.file_mode, dir_fd=self.dir_fd)
+        except FileNotFoundError as exc:
+            raise SegmentLost(errno.ENOENT, "segment missing", self.where(seg)) from exc
+        except OSError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES) and not create:
+                fd = self._open_read_only(seg)  # a read-only directory still serves reads
+            elif exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise SegmentLost(exc.errno, "not a regular file", self.where(seg)) from exc
+            else:
+                raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise SegmentLost(errno.EINVAL, "not a regular file", self.where(seg))
+        if create and stat.S_IMODE(st.st_mode) != self.file_mode:
+            os.fchmod(fd, self.file_mode)  # the umask may have cut bits the config asked for
+        with self._lock:
+            if seg in self._fds:  # another thread opened it first
+                os.close(fd)
+                return self._fds[seg]
+            self._fds[seg] = fd
+        self._opened(seg, fd)
+        return fd
+
+    def _open_read_only(self, seg: int) -> int:
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            return os.open(segment_name(seg), flags, dir_fd=self.dir_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENOENT):
+                raise SegmentLost(exc.errno, "not a regular file", self.where(seg)) from exc
+            raise
+
+    def _opened(self, seg: int, fd: int) -> None:
+        """Hook for subclasses (the memory tier maps the file)."""
+
+    def live_fd(self, seg: int, create: bool = False) -> tuple[int, os.stat_result]:
+        """The descriptor and its ``fstat``, reopened when the file was deleted behind the
+        store since it was opened (a new file of that name may be the segment now).
+        Checked once per batch (:meth:`new_batch`), not once per value."""
+        hit = self._checked.get(seg)
+        if hit is not None:
+            return hit
+        fd = self.fd(seg, create)
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            self.forget(seg)
+            fd = self.fd(seg, create)
+            st = os.fstat(fd)
+        self._checked[seg] = (fd, st)
+        return fd, st
+
+    def new_batch(self) -> None:
+        """Forget which files were checked: the next access to each checks it again."""
+        self._checked = {}
+
+    def write(self, seg: int, offset: int, parts: list[bytes | memoryview]) -> None:
+        """Write ``parts`` back to back at ``offset`` (as few ``pwritev`` calls as can be)."""
+        fd = self.live_fd(seg, create=True)[0]
+        bufs = parts
+        while bufs:
+            n = os.pwritev(fd, bufs[:1024], offset)  # IOV_MAX
+            offset += n
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs = bufs[1:]
+            if bufs and n:
+                bufs = [memoryview(bufs[0])[n:], *bufs[1:]]
+
+    def read_into(self, seg: int, offset: int, bufs: list[memoryview]) -> None:
+        """Fill ``bufs`` back to back from ``offset``; CorruptValue when the file ends first."""
+        fd = self.live_fd(seg)[0]
+        want = sum(len(b) for b in bufs)
+        got = os.preadv(fd, bufs, offset)
+        while got < want:  # short read: finish buffer by buffer
+            done, rest = got, []
+            for b in bufs:
+                if done >= len(b):
+                    done -= len(b)
+                    continue
+                rest.append(b[done:])
+                done = 0
+            k = os.preadv(fd, rest, offset + got)
+            if k == 0:
+                raise CorruptValue(f"segment ended after {got} of {want} bytes")
+            got += k
+
+    def read(self, seg: int, offset: int, n: int) -> bytes:
+        data = os.pread(self.live_fd(seg)[0], n, offset)
+        if len(data) != n:
+            raise CorruptValue(f"segment ended after {len(data)} of {n} bytes")
+        return data
+
+    def sync(self, seg: int) -> None:
+        os.fdatasync(self.fd(seg))
+
+    def cut(self, seg: int, end: int) -> None:
+        """Drop the file's bytes after ``end`` (a failed write's), best effort."""
+        try:
+            fd = self.live_fd(seg)[0]
+            if os.fstat(fd).st_size > end:
+                os.ftruncate(fd, end)
+        except OSError:
+            pass
+        self._checked.pop(seg, None)
+
+    def forget(self, seg: int) -> None:
+        """Close this process's handle of ``seg`` (the file was replaced or removed)."""
+        with self._lock:
+            fd = self._fds.pop(seg, None)
+            self._checked.pop(seg, None)
+        if fd is not None:
+            self._closed(seg)
+            os.close(fd)
+
+    def _closed(self, seg: int) -> None:
+        """Hook for subclasses (the memory tier unmaps the file)."""
+
+    def remove(self, seg: int) -> int:
+        """Delete the segment's file (its space goes back to the file system): bytes freed."""
+        self.forget(seg)
+        try:
+            st = os.stat(segment_name(seg), dir_fd=self.dir_fd, follow_symlinks=False)
+            os.unlink(segment_name(seg), dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            return 0
+        return st.st_blocks * 512
+
+    def close(self) -> None:
+        with self._lock:
+            segs = list(self._fds)
+        for seg in segs:
+            self.forget(seg)
+
+
+class MappedSegments(FileSegments):
+    """Segments mapped into the process (the memory tier on a tmpfs): one copy per value."""
+
+    def __init__(self, dir_fd: int, path: str, segment_bytes: int, file_mode: int) -> None:
+        super().__init__(dir_fd, path, segment_bytes, file_mode)
+        self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
+
+    def _opened(self, seg: int, fd: int) -> None:
+        writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+        if writable and os.fstat(fd).st_size < self.segment_bytes:
+            os.ftruncate(fd, self.segment_bytes)  # sparse: pages come with posix_fallocate
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        m = mmap.mmap(fd, self.segment_bytes, access=access)
+        with self._lock:
+            self._maps[seg] = (m, memoryview(m))
+
+    def _closed(self, seg: int) -> None:
+        with self._lock:
+            found = self._maps.pop(seg, None)
+        if found is not None:
+            m, view = found
+            view.release()
+            try:
+                m.close()
+            except BufferError:
+                pass  # a reader still holds a slice; the mapping goes with it
+
+    def _view(self, seg: int, end: int, create: bool = False) -> memoryview:
+        """The segment's mapping, once its file is known to reach ``end``: a file truncated
+        behind the store would raise SIGBUS where the copy reads past its end."""
+        fd, st = self.live_fd(seg, create)
+        if st.st_size < end:  # grown since it was checked (a write), or truncated
+            st = os.fstat(fd)
+            self._checked[seg] = (fd, st)
+            if st.st_size < end:
+                raise CorruptValue(f"segment file is shorter than {end} bytes")
+        return self._maps[seg][1]
+
+    def write(self, seg: int, offset: int, parts: list[bytes | memoryview]) -> None:
+        fd = self.live_fd(seg, create=True)[0]
+        end = offset + sum(len(p) for p in parts)
+        os.posix_fallocate(fd, offset, end - offset)  # ENOSPC here, not SIGBUS below
+        view = self._view(seg, end, create=True)
+        for p in parts:
+            n = len(p)
+            view[offset : offset + n] = p
+            offset += n
+
+    def read_into(self, seg: int, offset: int, bufs: list[memoryview]) -> None:
+        end = offset + sum(len(b) for b in bufs)
+        view = self._view(seg, end)
+        for b in bufs:
+            n = len(b)
+            b[:] = view[offset : offset + n]
+            offset += n
+
+    def read(self, seg: int, offset: int, n: int) -> bytes:
+        return bytes(self._view(seg, offset + n)[offset : offset + n])
+
+    def sync(self, seg: int) -> None:
+        """Memory has nothing to sync to."""
+
+
+__all__ = ["FileSegments", "MappedSegments", "SegmentLost", "segment_name"]

@@ -1,0 +1,454 @@
+"""The shared index of one tier: which segment holds which key, and who writes where.
+
+Kept in LMDB (``lmdb`` on PyPI): a memory-mapped B-tree that many processes read without
+locks and write one transaction at a time, whose transactions are atomic and survive a
+writer killed at any point (robust mutexes; a dead reader's slot is reclaimed with
+``reader_check``). That is every property the index needs, so it is not written here:
+docs/CONNECTOR.md#store compares it with keeping the values themselves in LMDB.
+
+Three tables:
+
+* ``keys``: 16-byte key digest -> :data:`LOC` (segment, generation, offset, frame bytes);
+* ``segs``: segment number -> :data:`SEG` (generation, published end, owner pid);
+* ``meta``: segment size and count, fixed for the directory.
+
+A segment's generation goes up each time it is emptied for reuse; a location whose
+generation is not its segment's current one is stale (a value evicted with its segment)
+and reads as missing, so stale entries need not be found and deleted at eviction time.
+The owner is the pid that appends to the segment (0: none); a segment owned by a dead pid
+is free to take (a writer killed mid-write leaves only its unpublished tail behind).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import shutil
+import stat
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+import lmdb
+
+from ucm_patch.hooks.stores.base import StoreError
+
+log = logging.getLogger(__name__)
+
+LOC = struct.Struct("<IQQI")  # segment, generation, offset, frame bytes (header + payload)
+SEG = struct.Struct("<QQI")  # generation, published end, owner pid
+_META = struct.Struct("<QQ")  # segment bytes, segment count
+_SEG_KEY = struct.Struct(">I")  # big-endian: LMDB's byte order is the numeric order
+MAP_BYTES = 1 << 34  # address space only: LMDB's file grows as the index does
+MAX_READERS = 4096
+_T = TypeVar("_T")
+
+
+class Loc(NamedTuple):
+    seg: int
+    gen: int
+    offset: int
+    size: int
+
+
+class SegRow(NamedTuple):
+    gen: int
+    end: int
+    owner: int
+
+
+_ERRNO_OF = {os.strerror(e): e for e in sorted(errno.errorcode, reverse=True)}
+
+
+def as_os_error(exc: lmdb.Error) -> OSError:
+    """The OSError an LMDB error stands for (py-lmdb keeps only the message), so that the
+    callers' ENOSPC / EROFS handling applies to the index as to the segments."""
+    text = str(exc)
+    if isinstance(exc, lmdb.ReadonlyError):
+        return OSError(errno.EROFS, os.strerror(errno.EROFS))
+    for message, code in _ERRNO_OF.items():
+        if text.endswith(message):
+            return OSError(code, message)
+    return OSError(errno.EIO, text)
+
+
+def _guarded(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """LMDB errors leave an index method as StoreError, caused by their OSError."""
+
+    @functools.wraps(fn)
+    def call(self: SegmentIndex, *args: object, **kwargs: object) -> _T:
+        try:
+            return fn(self, *args, **kwargs)
+        except lmdb.Error as exc:
+            raise StoreError(f"store index {self.path!r}: {exc}") from as_os_error(exc)
+
+    return call
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+class SegmentIndex:
+    """LMDB tables of one tier directory (``<dir>/index``), shared by every process."""
+
+    def __init__(self, tier_path: str, dir_mode: int, file_mode: int, sync: bool) -> None:
+        self.path = os.path.join(tier_path, "index")
+        self.sync = sync
+        self._dir_mode = dir_mode
+        self._file_mode = file_mode
+        self._pid = os.getpid()
+        self.read_only = False
+        self._open_env()
+
+    @_guarded
+    def _open_env(self) -> None:
+        """Open (or share) the environment; one that LMDB finds damaged (a crash without
+        fsync on a power cut, a foreign file) is removed and started empty, with a warning."""
+        self._refuse_links()
+        self._env = _shared_env(self.path, self._lmdb)
+        self.read_only = bool(self._env.flags()["readonly"])
+        self._keys = self._env.open_db(b"keys")
+        self._segs = self._env.open_db(b"segs")
+        self._meta = self._env.open_db(b"meta")
+
+    def _refuse_links(self) -> None:
+        """Create ``index/`` (owner only); a symlink in place of it or of its files is
+        never followed: the directory is refused, a file link removed."""
+        try:
+            os.mkdir(self.path, self._dir_mode)
+            if self._dir_mode & 0o077:
+                os.chmod(self.path, self._dir_mode)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise StoreError(f"store index: cannot create {self.path!r}: {exc}") from exc
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StoreError(f"store index: {self.path!r} is not a directory: {exc}") from exc
+        try:
+            for name in ("data.mdb", "lock.mdb"):
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    log.warning("store index: not following %s/%s: removed", self.path, name)
+                    os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+    def _lmdb(self) -> lmdb.Environment:
+        try:
+            return self._open_lmdb()
+        except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.VersionMismatchError) as exc:
+            log.warning("store index %s damaged (%s): starting it empty", self.path, exc)
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._refuse_links()
+        return self._open_lmdb()
+
+    def _open_lmdb(self) -> lmdb.Environment:
+        self._create_files()
+        try:
+            env = lmdb.open(
+                self.path,
+                map_size=MAP_BYTES,
+                max_dbs=4,
+                max_readers=MAX_READERS,
+                sync=self.sync,
+                metasync=self.sync,
+                readahead=False,
+                mode=self._file_mode,
+            )
+        except lmdb.Error as exc:
+            if as_os_error(exc).errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            # a read-only directory: serve what it holds; every write raises EROFS
+            return lmdb.open(self.path, max_dbs=4, readonly=True, lock=False)
+        env.reader_check()  # slots of readers that died
+        return env
+
+    def _create_files(self) -> None:
+        """Create LMDB's two files with the configured mode (the umask would cut it), or
+        fix the mode of existing ones. Only before this process opens the environment:
+        closing any descriptor of ``lock.mdb`` drops every POSIX lock the process holds on
+        it, LMDB's included, and another process would then reset the lock table."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        for name in ("data.mdb", "lock.mdb"):
+            try:
+                fd = os.open(os.path.join(self.path, name), flags, self._file_mode)
+            except OSError as exc:
+                if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    return  # a read-only directory: opened read-only below
+                raise
+            try:
+                if stat.S_IMODE(os.fstat(fd).st_mode) != self._file_mode:
+                    os.fchmod(fd, self._file_mode)
+            finally:
+                os.close(fd)
+
+    def _check_fork(self) -> None:
+        """LMDB handles must not cross fork(): a child reopens the environment."""
+        if os.getpid() != self._pid:
+            self._pid = os.getpid()
+            self._open_env()
+
+    # -- meta -------------------------------------------------------------------------------
+
+    @_guarded
+    def layout(self, segment_bytes: int, count: int) -> tuple[int, int, tuple[int, int] | None]:
+        """The directory's (segment bytes, count), and what it recorded before (None when
+        new). The segment size is the directory's for ever; the count follows the last
+        process that started (one capacity per tier)."""
+        self._check_fork()
+        with self._env.begin(write=not self.read_only, db=self._meta) as txn:
+            raw = txn.get(b"layout")
+            previous = _META.unpack(raw) if raw is not None and len(raw) == _META.size else None
+            if previous is not None:
+                segment_bytes = previous[0]
+            if not self.read_only:
+                txn.put(b"layout", _META.pack(segment_bytes, count))
+        return segment_bytes, count, previous
+
+    # -- reads ------------------------------------------------------------------------------
+
+    @_guarded
+    def lookup(self, digests: Sequence[bytes]) -> list[Loc | None]:
+        """Current locations per digest (None: missing, or evicted with its segment)."""
+        self._check_fork()
+        out: list[Loc | None] = []
+        gens: dict[int, int] = {}
+        with self._env.begin() as txn:
+            for d in digests:
+                raw = txn.get(d, db=self._keys)
+                if raw is None:
+                    out.append(None)
+                    continue
+                loc = Loc(*LOC.unpack(raw))
+                gen = gens.get(loc.seg)
+                if gen is None:
+                    row = txn.get(_SEG_KEY.pack(loc.seg), db=self._segs)
+                    gen = gens[loc.seg] = SEG.unpack(row)[0] if row is not None else -1
+                out.append(loc if gen == loc.gen else None)
+        return out
+
+    @_guarded
+    def current(self, locs: Sequence[Loc]) -> list[bool]:
+        """True per location whose segment has not been emptied since it was looked up."""
+        self._check_fork()
+        with self._env.begin(db=self._segs) as txn:
+            out = []
+            for loc in locs:
+                row = txn.get(_SEG_KEY.pack(loc.seg))
+                out.append(row is not None and SEG.unpack(row)[0] == loc.gen)
+        return out
+
+    @_guarded
+    def segments(self) -> dict[int, SegRow]:
+        self._check_fork()
+        with self._env.begin(db=self._segs) as txn:
+            return {_SEG_KEY.unpack(k)[0]: SegRow(*SEG.unpack(v)) for k, v in txn.cursor()}
+
+    @_guarded
+    def live_entries(self, seg: int, gen: int, digests: Sequence[bytes]) -> list[bool]:
+        """True per digest whose entry points into (seg, gen)."""
+        self._check_fork()
+        with self._env.begin(db=self._keys) as txn:
+            out = []
+            for d in digests:
+                raw = txn.get(d)
+                out.append(raw is not None and LOC.unpack(raw)[:2] == (seg, gen))
+        return out
+
+    @_guarded
+    def entries(self) -> list[tuple[bytes, Loc]]:
+        """Every current (digest, location): a scan, for tools and tests."""
+        self._check_fork()
+        with self._env.begin() as txn:
+            gens = {_SEG_KEY.unpack(k)[0]: SEG.unpack(v)[0] for k, v in txn.cursor(db=self._segs)}
+            out = []
+            for k, v in txn.cursor(db=self._keys):
+                loc = Loc(*LOC.unpack(v))
+                if gens.get(loc.seg) == loc.gen:
+                    out.append((bytes(k), loc))
+        return out
+
+    @_guarded
+    def count(self) -> tuple[int, int]:
+        """(current entries, published bytes of current segments): a scan, for tools."""
+        self._check_fork()
+        with self._env.begin() as txn:
+            rows = {_SEG_KEY.unpack(k)[0]: SEG.unpack(v) for k, v in txn.cursor(db=self._segs)}
+            n = 0
+            for _k, v in txn.cursor(db=self._keys):
+                seg, gen = LOC.unpack(v)[:2]
+                row = rows.get(seg)
+                n += row is not None and row[0] == gen
+        return n, sum(r[1] for r in rows.values())
+
+    # -- writes -----------------------------------------------------------------------------
+
+    @_guarded
+    def claim(self, seg: int, expect: SegRow | None, owner: int, empty: bool) -> int | None:
+        """Take ``seg`` for ``owner`` if its row is still ``expect`` (compare-and-set across
+        processes). ``empty``: start it over (generation + 1, nothing published), which
+        makes every entry into it stale. The generation now, or None when someone else
+        took it first."""
+        self._check_fork()
+        key = _SEG_KEY.pack(seg)
+        with self._env.begin(write=True, db=self._segs) as txn:
+            raw = txn.get(key)
+            row = SegRow(*SEG.unpack(raw)) if raw is not None else None
+            if row != expect:
+                return None
+            gen = (row.gen if row else 0) + (1 if empty or row is None else 0)
+            end = 0 if empty or row is None else row.end
+            txn.put(key, SEG.pack(gen, end, owner))
+        return gen
+
+    @_guarded
+    def release(self, seg: int, gen: int, owner: int) -> None:
+        """Give up appending to ``seg`` (if still ours) so that it can be evicted."""
+        self._check_fork()
+        key = _SEG_KEY.pack(seg)
+        with self._env.begin(write=True, db=self._segs) as txn:
+            raw = txn.get(key)
+            if raw is not None:
+                row = SegRow(*SEG.unpack(raw))
+                if row.gen == gen and row.owner == owner:
+                    txn.put(key, SEG.pack(row.gen, row.end, 0))
+
+    @_guarded
+    def publish(
+        self, seg: int, gen: int, owner: int, entries: Sequence[tuple[bytes, int, int]], end: int
+    ) -> bool:
+        """Make ``entries`` (digest, offset, frame bytes) of (seg, gen) visible at once.
+
+        A digest that already has a current entry keeps it (the first value wins). False,
+        publishing nothing, when the segment is no longer this owner's (taken as dead)."""
+        self._check_fork()
+        key = _SEG_KEY.pack(seg)
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(key, db=self._segs)
+            if raw is None:
+                return False
+            row = SegRow(*SEG.unpack(raw))
+            if row.gen != gen or row.owner != owner:
+                return False
+            gens: dict[int, int] = {seg: gen}
+            for digest, offset, size in entries:
+                old = txn.get(digest, db=self._keys)
+                if old is not None:
+                    oseg, ogen = LOC.unpack(old)[:2]
+                    cur = gens.get(oseg)
+                    if cur is None:
+                        orow = txn.get(_SEG_KEY.pack(oseg), db=self._segs)
+                        cur = gens[oseg] = SEG.unpack(orow)[0] if orow is not None else -1
+                    if cur == ogen:
+                        continue  # present: the first value wins
+                txn.put(digest, LOC.pack(seg, gen, offset, size), db=self._keys)
+            txn.put(key, SEG.pack(gen, max(end, row.end), owner), db=self._segs)
+        return True
+
+    @_guarded
+    def drop(self, digest: bytes, loc: Loc) -> None:
+        """Remove ``digest``'s entry if it still points at ``loc`` (a corrupt value)."""
+        self._check_fork()
+        with self._env.begin(write=True, db=self._keys) as txn:
+            raw = txn.get(digest)
+            if raw is not None and Loc(*LOC.unpack(raw)) == loc:
+                txn.delete(digest)
+
+    @_guarded
+    def purge(self, seg: int, gen: int, digests: Sequence[bytes]) -> None:
+        """Delete the entries of ``digests`` that point into (seg, gen): they are stale and
+        only cost index space."""
+        self._check_fork()
+        with self._env.begin(write=True, db=self._keys) as txn:
+            for d in digests:
+                raw = txn.get(d)
+                if raw is not None and LOC.unpack(raw)[:2] == (seg, gen):
+                    txn.delete(d)
+
+    @_guarded
+    def remove(self, digests: Sequence[bytes]) -> int:
+        """Delete the entries of ``digests`` whatever they point at: entries removed."""
+        self._check_fork()
+        with self._env.begin(write=True, db=self._keys) as txn:
+            return sum(bool(txn.delete(d)) for d in digests)
+
+    @_guarded
+    def remove_all(self) -> None:
+        self._check_fork()
+        with self._env.begin(write=True) as txn:
+            txn.drop(self._keys, delete=False)
+
+    @_guarded
+    def forget_segment(self, seg: int) -> None:
+        """The segment's file is gone: a new generation (every entry into it goes stale;
+        generations never go back, so an old entry can never become current again)."""
+        self._check_fork()
+        key = _SEG_KEY.pack(seg)
+        with self._env.begin(write=True, db=self._segs) as txn:
+            raw = txn.get(key)
+            gen = SEG.unpack(raw)[0] if raw is not None else 0
+            txn.put(key, SEG.pack(gen + 1, 0, 0))
+
+    @_guarded
+    def flush(self) -> None:
+        if self.sync:
+            self._env.sync(True)
+
+    def close(self) -> None:
+        _release_env(self.path)
+
+
+# LMDB allows one Environment per file per process; stores (and tiers) opened twice on one
+# directory in a process share it. Keyed by pid too: a forked child opens its own.
+_envs: dict[tuple[int, str], list] = {}
+_envs_lock = threading.Lock()
+
+
+def _shared_env(path: str, opener: Callable[[], lmdb.Environment]) -> lmdb.Environment:
+    key = (os.getpid(), os.path.realpath(path))
+    with _envs_lock:
+        found = _envs.get(key)
+        if found is None:
+            found = _envs[key] = [opener(), 0]
+        found[1] += 1
+        return found[0]
+
+
+def _release_env(path: str) -> None:
+    key = (os.getpid(), os.path.realpath(path))
+    with _envs_lock:
+        found = _envs.get(key)
+        if found is None:
+            return
+        found[1] -= 1
+        if found[1] > 0:
+            return
+        del _envs[key]
+    try:
+        found[0].close()
+    except lmdb.Error:
+        pass
+
+
+def is_enospc(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
+__all__ = ["LOC", "SEG", "Loc", "SegRow", "SegmentIndex", "is_enospc", "pid_alive"]

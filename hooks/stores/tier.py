@@ -1,0 +1,408 @@
+"""One tier of the local store: a directory of reused segments and their shared index.
+
+A put appends whole batches to a segment this process has leased (no lock while the bytes
+are copied: the lease is exclusive), then publishes the batch's keys in one index
+transaction. A get looks keys up, copies the bytes, and asks the index whether the segment
+was emptied meanwhile (then the copy is a miss, whatever it holds).
+
+Record layout in a segment (64-byte aligned, so payloads are too)::
+
+    digest 16 B | zero 28 B | frame header 20 B | payload | zero pad to 64 B
+
+The frame header (:mod:`~ucm_patch.hooks.stores.framing`) checksums the key and payload,
+so the index never needs to be trusted for content: a stale or forged location reads as
+corrupt, never as a value.
+
+Capacity is a number of segments of one size, per directory (the index records both). When
+no segment is free, the least recently used one that no live process is writing is
+emptied: its values are handed to ``spill`` first (the memory tier spills to the disk
+tier), then its generation goes up, which makes every entry into it stale at once.
+Eviction is by segment, so "recently used" is kept per segment: a put or a hit stamps the
+segment's slot in the shared ``lru`` file.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ucm_patch.hooks.ratelimit import RateLimitedLog
+from ucm_patch.hooks.stores.base import StoreError
+from ucm_patch.hooks.stores.framing import HEADER_SIZE, CorruptValue, payload_length
+from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments, SegmentLost
+from ucm_patch.hooks.stores.segment_index import Loc, SegmentIndex, SegRow, pid_alive
+
+log = logging.getLogger(__name__)
+
+RECORD_HEADER = 64  # digest, zero fill, frame header: the payload starts 64-byte aligned
+FRAME_AT = RECORD_HEADER - HEADER_SIZE  # where the frame (header + payload) starts
+_PAD = bytes(FRAME_AT - 16)
+_ZEROS = bytes(64)
+MAX_SEGMENTS = 1 << 16
+MIN_SEGMENTS = 4  # a smaller capacity gets smaller segments: eviction stays gradual
+_TICK = struct.Struct("<Q")
+#: A value: its key digest, frame header and payload.
+Record = tuple[bytes, bytes, memoryview]
+#: Takes the live values of a segment being emptied: (digest, frame header, payload).
+Spill = Callable[[list[Record]], None]
+
+
+def record_bytes(payload: int) -> int:
+    return (RECORD_HEADER + payload + 63) & ~63
+
+
+@dataclass
+class Lease:
+    """A segment this process appends to: nobody else writes it while we hold it."""
+
+    seg: int
+    gen: int
+    end: int
+
+
+class Tier:
+    """A directory of segments with one capacity shared by every process on the host."""
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        capacity_bytes: int,
+        segment_bytes: int,
+        mapped: bool,
+        fsync: bool = False,
+        dir_mode: int = 0o700,
+        file_mode: int = 0o600,
+        spill: Spill | None = None,
+    ) -> None:
+        self.name = name
+        self.path = os.path.abspath(path)
+        self.fsync = fsync
+        self.spill = spill
+        self.evictions = 0  # values dropped (not spilled) for capacity
+        self.spilled = 0  # values handed to ``spill``
+        self.disk_full = 0  # ENOSPC answered by evicting and retrying
+        self._warn = RateLimitedLog(log, 30.0)
+        self._lock = threading.Lock()  # guards the counters above
+        try:
+            if not os.path.isdir(self.path):
+                os.makedirs(self.path, mode=dir_mode, exist_ok=True)
+                if dir_mode & 0o077:
+                    os.chmod(self.path, dir_mode)  # the umask may have cut group bits
+            self._dir = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StoreError(f"{name} tier: cannot create directory {self.path!r}: {exc}") from exc
+        self.index = SegmentIndex(self.path, dir_mode, file_mode, sync=fsync)
+        wanted = max(4096, min(segment_bytes, capacity_bytes // MIN_SEGMENTS) & ~4095)
+        count = max(1, min(MAX_SEGMENTS, capacity_bytes // wanted))
+        self.segment_bytes, self.count, previous = self.index.layout(wanted, count)
+        if previous is not None and previous[1] != count:
+            log.warning(
+                "%s tier %s: capacity was %d segments of %d bytes, now %d (this process's "
+                "capacity applies to every process from now on)",
+                name,
+                self.path,
+                previous[1],
+                self.segment_bytes,
+                count,
+            )
+        if self.segment_bytes != wanted:
+            self.count = max(1, min(MAX_SEGMENTS, capacity_bytes // self.segment_bytes))
+        self.capacity_bytes = self.count * self.segment_bytes
+        cls = MappedSegments if mapped else FileSegments
+        self.files = cls(self._dir, self.path, self.segment_bytes, file_mode)
+        self._ticks = self._open_ticks(file_mode)
+        if not self.index.read_only:
+            self._shrink()
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    def _open_ticks(self, file_mode: int) -> memoryview:
+        """The shared last-use stamps, one u64 per segment (``lru``): written without a
+        lock (an 8-byte aligned store), read when a victim is picked."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        size = MAX_SEGMENTS * _TICK.size
+        try:
+            fd = os.open("lru", flags, file_mode, dir_fd=self._dir)
+        except OSError as exc:
+            if not self.index.read_only:
+                raise StoreError(f"{self.name} tier: cannot open {self.path}/lru: {exc}") from exc
+            self._ticks_map = mmap.mmap(-1, size)  # read-only directory: nothing to evict
+            return memoryview(self._ticks_map).cast("Q")
+        try:
+            if stat.S_IMODE(os.fstat(fd).st_mode) != file_mode:
+                os.fchmod(fd, file_mode)  # the umask may have cut what config asked for
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self._ticks_map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return memoryview(self._ticks_map).cast("Q")
+
+    def _shrink(self) -> None:
+        """Segments beyond this capacity (a smaller one than last time) are emptied and
+        their files removed, unless a live process still writes them."""
+        for seg, row in sorted(self.index.segments().items()):
+            if seg >= self.count and row.end and self._takeable(row):
+                self._empty(seg, row, remove=True)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def put(self, records: Sequence[Record]) -> list[bool]:
+        """Append ``records``; True per record stored (or already present), False where it
+        is larger than a segment or every segment is being written by live processes."""
+        out = [record_bytes(len(p)) <= self.segment_bytes for _d, _h, p in records]
+        pending = [i for i, fits in enumerate(out) if fits]
+        lease: Lease | None = None
+        relieved = False
+        try:
+            while pending:
+                try:
+                    lease, taken = self._append(lease, records, pending)
+                except StoreError as exc:
+                    lease = None  # _append gave it back
+                    cause = exc.__cause__
+                    if not isinstance(cause, OSError) or cause.errno != errno.ENOSPC or relieved:
+                        raise
+                    self._relieve(sum(record_bytes(len(records[i][2])) for i in pending), cause)
+                    relieved = True
+                    continue
+                if lease is None:  # every segment is some live process's lease
+                    for i in pending:
+                        out[i] = False
+                    break
+                pending = pending[taken:]
+        finally:
+            if lease is not None:
+                self._seal(lease)
+        return out
+
+    def _append(
+        self, lease: Lease | None, records: Sequence[Record], pending: list[int]
+    ) -> tuple[Lease | None, int]:
+        """Write and publish as many of ``pending`` as fit in ``lease`` (a new one when it
+        has no room): (the lease, records done). StoreError on failure, caused by the
+        OSError (ENOSPC included) of the segment or the index."""
+        need = record_bytes(len(records[pending[0]][2]))
+        if lease is None or lease.end + need > self.segment_bytes:
+            if lease is not None:
+                self._seal(lease)
+            lease = self._new_lease(need)
+            if lease is None:
+                return None, 0
+        self.files.new_batch()
+        end, parts, entries = lease.end, [], []
+        for i in pending:
+            digest, header, payload = records[i]
+            size = record_bytes(len(payload))
+            if end + size > self.segment_bytes:
+                break
+            parts += (digest, _PAD, header, payload)
+            if size - RECORD_HEADER - len(payload):
+                parts.append(_ZEROS[: size - RECORD_HEADER - len(payload)])
+            entries.append((digest, end, HEADER_SIZE + len(payload)))
+            end += size
+        try:
+            try:
+                self.files.write(lease.seg, lease.end, parts)
+                if self.fsync:
+                    self.files.sync(lease.seg)
+            except OSError as exc:
+                self.files.cut(lease.seg, lease.end)  # a partly written batch: space back
+                where = self.files.where(lease.seg)
+                raise StoreError(f"{self.name} tier: cannot write {where!r}: {exc}") from exc
+            if not self.index.publish(lease.seg, lease.gen, os.getpid(), entries, end):
+                raise StoreError(f"{self.name} tier: lost segment {lease.seg} mid-write")
+            self.index.flush()
+        except BaseException:
+            self._seal_quietly(lease)
+            raise
+        lease.end = end
+        self.touch(lease.seg)
+        return lease, len(entries)
+
+    def _seal(self, lease: Lease) -> None:
+        self.index.release(lease.seg, lease.gen, os.getpid())
+
+    def _seal_quietly(self, lease: Lease) -> None:
+        """Give ``lease`` back on a failure path (a full disk may refuse that too: then
+        the segment is taken over once this process is gone)."""
+        try:
+            self._seal(lease)
+        except StoreError as exc:
+            self._warn.warning("seal", "%s tier: segment %d kept: %s", self.name, lease.seg, exc)
+
+    def _takeable(self, row: SegRow) -> bool:
+        return row.owner == 0 or (row.owner != os.getpid() and not pid_alive(row.owner))
+
+    def _new_lease(self, need: int) -> Lease | None:
+        """A segment to append to, for the rest of one put: the most recently used one
+        that nobody writes and that has room, else a never-used one, else the least
+        recently used one nobody writes (emptied first). None when live processes write
+        every segment."""
+        me = os.getpid()
+        for _attempt in range(16):
+            rows = self.index.segments()
+            free = [
+                (self._ticks[seg], seg, row)
+                for seg, row in rows.items()
+                if seg < self.count and self._takeable(row)
+            ]
+            room = [f for f in free if f[2].end and f[2].end + need <= self.segment_bytes]
+            if room:
+                _tick, seg, row = max(room)
+                gen = self.index.claim(seg, row, me, empty=False)
+                if gen is not None:
+                    return self._leased(seg, gen, row.end)
+                continue
+            fresh = next((s for s in range(self.count) if s not in rows), None)
+            if fresh is not None:
+                gen = self.index.claim(fresh, None, me, empty=True)
+                if gen is not None:
+                    return self._leased(fresh, gen, 0)
+                continue
+            if not free:
+                return None
+            _tick, seg, row = min(free)
+            gen = self._empty(seg, row, remove=False)
+            if gen is not None:
+                return self._leased(seg, gen, 0)
+        return None
+
+    def _leased(self, seg: int, gen: int, end: int) -> Lease:
+        self.touch(seg)
+        return Lease(seg, gen, end)
+
+    def _empty(self, seg: int, row: SegRow, remove: bool) -> int | None:
+        """Take ``seg`` from its (dead or absent) owner, spill its live values, start it
+        over (and remove its file when ``remove``): the new generation, owned by this
+        process (released again when ``remove``), or None when another process took it."""
+        me = os.getpid()
+        if row.end and self.index.claim(seg, row, me, empty=False) is None:
+            return None
+        held = SegRow(row.gen, row.end, me) if row.end else row
+        records = self._records(seg, row.end) if row.end else []
+        digests = [d for d, _off, _size in records]
+        live = self.index.live_entries(seg, row.gen, digests) if records else []
+        alive = [rec for rec, ok in zip(records, live, strict=True) if ok]
+        if alive:
+            self._spill(seg, alive)
+        gen = self.index.claim(seg, held, me, empty=True)
+        if gen is None:
+            return None
+        if digests:
+            self.index.purge(seg, row.gen, digests)
+        if remove:
+            self.index.release(seg, gen, me)
+            self.files.remove(seg)
+        return gen
+
+    def _records(self, seg: int, end: int) -> list[tuple[bytes, int, int]]:
+        """(digest, offset, frame bytes) of the records in ``seg`` up to ``end``; stops at
+        the first that does not parse (a torn tail, a damaged file)."""
+        out: list[tuple[bytes, int, int]] = []
+        off = 0
+        try:
+            while off + RECORD_HEADER <= end:
+                head = self.files.read(seg, off, RECORD_HEADER)
+                n = payload_length(head[FRAME_AT:])
+                out.append((head[:16], off, HEADER_SIZE + n))
+                off += record_bytes(n)
+        except (CorruptValue, SegmentLost, OSError) as exc:
+            self._warn.warning(
+                ("walk", seg), "%s tier: segment %d unreadable at %d: %s", self.name, seg, off, exc
+            )
+        return out
+
+    def _spill(self, seg: int, live: list[tuple[bytes, int, int]]) -> None:
+        """Hand the live values to ``spill`` (or count them evicted)."""
+        n = len(live)
+        if self.spill is not None:
+            try:
+                batch: list[Record] = []
+                for digest, off, size in live:
+                    frame = memoryview(self.files.read(seg, off + FRAME_AT, size))
+                    batch.append((digest, bytes(frame[:HEADER_SIZE]), frame[HEADER_SIZE:]))
+                self.spill(batch)
+                with self._lock:
+                    self.spilled += n
+                return
+            except (StoreError, CorruptValue, OSError) as exc:
+                self._warn.warning(
+                    "spill", "%s tier: spilling segment %d failed: %s", self.name, seg, exc
+                )
+        with self._lock:
+            self.evictions += n
+
+    def _relieve(self, need: int, exc: OSError) -> None:
+        """ENOSPC: empty least recently used segments and remove their files until ``need``
+        bytes and a tenth of the tier are freed (so the next puts do not hit the wall at
+        once), then the caller retries once."""
+        rows = self.index.segments()
+        order = sorted(
+            (self._ticks[s], s, r) for s, r in rows.items() if r.end and self._takeable(r)
+        )
+        goal = max(need, sum(r.end for r in rows.values()) // 10)
+        freed = 0
+        for _tick, seg, row in order:
+            if freed >= goal:
+                break
+            if self._empty(seg, row, remove=True) is not None:
+                freed += row.end
+        with self._lock:
+            self.disk_full += 1
+        self._warn.warning(
+            "enospc",
+            "%s tier %s: file system full (%s); emptied %d bytes of segments, retrying once",
+            self.name,
+            self.path,
+            exc.strerror,
+            freed,
+        )
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def touch(self, seg: int) -> None:
+        self._ticks[seg] = time.time_ns()
+
+    def lookup(self, digests: Sequence[bytes]) -> list[Loc | None]:
+        """Current locations; starts a batch (each segment file is checked once in it)."""
+        self.files.new_batch()
+        return self.index.lookup(digests)
+
+    def read_into(self, loc: Loc, header: memoryview, payload: memoryview) -> None:
+        """The frame header and payload at ``loc`` (one copy; CorruptValue when the file is
+        short, SegmentLost when it is gone)."""
+        self.files.read_into(loc.seg, loc.offset + FRAME_AT, [header, payload])
+
+    def read(self, loc: Loc) -> tuple[bytes, bytes]:
+        head = self.files.read(loc.seg, loc.offset + FRAME_AT, HEADER_SIZE)
+        body = self.files.read(loc.seg, loc.offset + RECORD_HEADER, loc.size - HEADER_SIZE)
+        return head, body
+
+    # -- introspection / lifecycle -----------------------------------------------------------
+
+    def stats(self) -> tuple[int, int]:
+        """(values, bytes in current segments)."""
+        return self.index.count()
+
+    def close(self) -> None:
+        self.files.close()
+        self.index.close()
+        self._ticks.release()
+        try:
+            self._ticks_map.close()
+        except BufferError:
+            pass
+        os.close(self._dir)
+
+
+__all__ = ["FRAME_AT", "RECORD_HEADER", "Lease", "Record", "Tier", "record_bytes"]

@@ -1,0 +1,105 @@
+"""A writer killed mid-write (SIGKILL) leaves a store that opens, serves every value it
+had stored, and never serves a torn one.
+
+Each round starts a writer process that puts batches forever and prints the number of
+every batch whose ``put_many`` returned; the test kills it with SIGKILL at a random moment
+(most of a writer's time is spent copying values into a segment or in the index's
+transaction), then opens the store in this process and checks every key written so far.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ucm_patch.hooks.stores.local import LocalStore
+
+BATCH, VALUE = 8, 192 << 10
+CAPACITY = 256 << 20  # nothing is evicted: every value stored must still be there
+ROUNDS = 8
+
+
+def value_of(key: str) -> bytes:
+    """The only value ever stored under ``key`` (cheap to make: the writer's time goes
+    into the store, where the kill should land)."""
+    return hashlib.blake2b(key.encode()).digest() * (VALUE // 64)
+
+
+def _store(path: str, memory: str) -> LocalStore:
+    extra = {"memory_bytes": 128 << 20, "memory_path": memory} if memory else {}
+    return LocalStore(path, capacity_bytes=CAPACITY, segment_bytes=8 << 20, **extra)
+
+
+def _writer(path: str, memory: str, tag: str) -> None:
+    s = _store(path, memory)
+    n = 0
+    while True:
+        keys = [f"{tag}-{n}-{j}" for j in range(BATCH)]
+        assert s.put_many([(k, value_of(k)) for k in keys]) == [True] * BATCH
+        print(n, flush=True)
+        n += 1
+
+
+@pytest.mark.parametrize("tiers", ["disk", "memory+disk"])
+def test_sigkill_mid_write_loses_nothing_stored(tmp_path: Path, tiers: str) -> None:
+    path = str(tmp_path / "kv")
+    memory = str(tmp_path / "shm") if "memory" in tiers else ""
+    rng = random.Random(20261125)
+    done: list[str] = []  # keys whose put returned before the kill
+    torn: list[str] = []  # keys of the batch in flight when the writer died
+    for r in range(ROUNDS):
+        tag = f"r{r}"
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--writer", path, memory, tag],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        target = rng.randint(2, 12)
+        last = -1
+        while last + 1 < target:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read() if proc.stderr else "writer died"
+            last = int(line)
+        time.sleep(rng.uniform(0, 0.002))  # somewhere inside the next batch
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        for line in proc.stdout:  # batches that returned before the kill landed
+            last = int(line)
+        done += [f"{tag}-{n}-{j}" for n in range(last + 1) for j in range(BATCH)]
+        torn += [f"{tag}-{last + 1}-{j}" for j in range(BATCH)]
+
+        s = _store(path, memory)  # opens after the kill
+        got = s.get_many(done)
+        missing = [k for k, v in zip(done, got, strict=True) if v != value_of(k)]
+        assert not missing, f"round {r}: {len(missing)} stored values lost, e.g. {missing[:3]}"
+        for k, v in zip(torn, s.get_many(torn), strict=True):
+            assert v is None or v == value_of(k), f"round {r}: torn value served for {k}"
+        assert s.stats["corrupt"] == 0, s.stats
+        s.close()
+
+    # the dead writers' segments are taken over: a new writer fills the store past them
+    s = _store(path, memory)
+    extra = [f"after-{i}" for i in range(64)]
+    for i in range(0, len(extra), BATCH):
+        chunk = extra[i : i + BATCH]
+        assert s.put_many([(k, value_of(k)) for k in chunk]) == [True] * len(chunk)
+    assert s.get_many(extra) == [value_of(k) for k in extra]
+    assert s.get_many(done) == [value_of(k) for k in done]
+    owners = {row.owner for tier in s.tiers for row in tier.index.segments().values()}
+    assert os.getpid() not in owners  # every put gave its segment back
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--writer"]:
+    _writer(sys.argv[2], sys.argv[3], sys.argv[4])
