@@ -45,6 +45,8 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from xxhash import xxh3_128_digest
+
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import KVStore, StoreError
 from ucm_patch.hooks.stores.framing import (
@@ -68,8 +70,12 @@ DEFAULT_MEMORY = 2 << 30
 
 
 def digest_of(kb: bytes) -> bytes:
-    """The 16-byte index key of a store key (keys may hold any characters and length)."""
-    return hashlib.blake2b(kb, digest_size=16).digest()
+    """The 16-byte index key of a store key (keys may hold any characters and length).
+
+    XXH3-128, not a cryptographic hash: two keys with one digest cannot make the store
+    serve a wrong value, because the frame's check covers the whole key; the later key
+    is only a miss."""
+    return xxh3_128_digest(kb)
 
 
 def default_memory_path(disk_path: str | os.PathLike[str]) -> str:
@@ -135,14 +141,14 @@ class LocalStore(KVStore):
         capacity = capacity_bytes or self._default_capacity()
         self.disk = Tier(
             "disk", self.path, capacity, segment_bytes, mapped=False, fsync=fsync,
-            dir_mode=dir_mode, file_mode=file_mode,
+            dir_mode=dir_mode, file_mode=file_mode, frame=self._frame,
         )  # fmt: skip
         self.memory: Tier | None = None
         if memory_bytes:
             where = os.fspath(memory_path) if memory_path else default_memory_path(self.path)
             self.memory = Tier(
                 "memory", where, memory_bytes, segment_bytes, mapped=True,
-                dir_mode=dir_mode, file_mode=file_mode, spill=self._spill,
+                dir_mode=dir_mode, file_mode=file_mode, spill=self._spill, frame=self._frame,
             )  # fmt: skip
         self.tiers: tuple[Tier, ...] = (self.memory, self.disk) if self.memory else (self.disk,)
         self.capacity_bytes = self.disk.capacity_bytes
@@ -172,6 +178,9 @@ class LocalStore(KVStore):
                      "%d bytes already stored)", self.path, room, held)  # fmt: skip
             return max(room, 4096)
         return DEFAULT_CAPACITY
+
+    def _frame(self, kb: bytes, payload: memoryview) -> bytes:
+        return make_header(kb, payload, self._secret)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -209,15 +218,12 @@ class LocalStore(KVStore):
         return out
 
     def _put(self, prepared: list[tuple[bytes, bytes, memoryview]]) -> list[bool]:
-        present = self._exists([d for d, _kb, _p in prepared])
-        todo = [i for i, found in enumerate(present) if not found]
+        """Write into the first tier. A key already there is written again and then left
+        as it was by the index (the first value wins): no lookup before every put, as a
+        dump of a key already stored is rare (the scheduler dumps what a lookup missed)."""
+        todo = list(range(len(prepared)))
         stored = [True] * len(prepared)
-        if not todo:
-            return stored
-        records: list[Record] = []
-        for i in todo:
-            d, kb, payload = prepared[i]
-            records.append((d, make_header(kb, payload, self._secret), payload))
+        records: list[Record] = prepared
         try:
             done = self.tiers[0].put(records)
             if self.memory is not None and not all(done):  # every memory segment is busy
@@ -236,7 +242,8 @@ class LocalStore(KVStore):
     def _spill(self, records: list[Record]) -> None:
         """The memory tier's values leaving it go to the disk tier (first value wins)."""
         present = self.disk.lookup([d for d, _h, _p in records])
-        self.disk.put([r for r, loc in zip(records, present, strict=True) if loc is None])
+        todo = [r for r, loc in zip(records, present, strict=True) if loc is None]
+        self.disk.put(todo, framed=True)
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -326,9 +333,7 @@ class LocalStore(KVStore):
             if buf is not None:
                 if loc.size - HEADER_SIZE != len(buf):
                     return None
-                header = memoryview(bytearray(HEADER_SIZE))
-                tier.read_into(loc, header, buf)
-                verify(kb, header, buf, self._secret)
+                verify(kb, tier.read_into(loc, buf), buf, self._secret)
                 return b""
             head, payload = tier.read(loc)
             verify(kb, head, payload, self._secret)

@@ -91,7 +91,11 @@ class FileSegments:
                 os.close(fd)
                 return self._fds[seg]
             self._fds[seg] = fd
-        self._opened(seg, fd)
+        try:
+            self._opened(seg, fd, create)
+        except BaseException:
+            self.forget(seg)
+            raise
         return fd
 
     def _open_read_only(self, seg: int) -> int:
@@ -103,7 +107,7 @@ class FileSegments:
                 raise SegmentLost(exc.errno, "not a regular file", self.where(seg)) from exc
             raise
 
-    def _opened(self, seg: int, fd: int) -> None:
+    def _opened(self, seg: int, fd: int, create: bool) -> None:
         """Hook for subclasses (the memory tier maps the file)."""
 
     def live_fd(self, seg: int, create: bool = False) -> tuple[int, os.stat_result]:
@@ -166,6 +170,11 @@ class FileSegments:
     def sync(self, seg: int) -> None:
         os.fdatasync(self.fd(seg))
 
+    def mapping(self, seg: int, end: int, write: bool = False) -> memoryview | None:
+        """The segment's bytes in this process's memory, valid up to ``end`` (None: this
+        kind of segment is reached with system calls only)."""
+        return None
+
     def cut(self, seg: int, end: int) -> None:
         """Drop the file's bytes after ``end`` (a failed write's), best effort."""
         try:
@@ -212,12 +221,16 @@ class MappedSegments(FileSegments):
         super().__init__(dir_fd, path, segment_bytes, file_mode)
         self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
 
-    def _opened(self, seg: int, fd: int) -> None:
+    def _opened(self, seg: int, fd: int, create: bool) -> None:
         writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
-        if writable and os.fstat(fd).st_size < self.segment_bytes:
-            os.ftruncate(fd, self.segment_bytes)  # sparse: pages come with posix_fallocate
-        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-        m = mmap.mmap(fd, self.segment_bytes, access=access)
+        if create and writable and os.fstat(fd).st_blocks * 512 < self.segment_bytes:
+            # every page of the segment now, once per file: ENOSPC here, never a SIGBUS
+            # when a copy into the mapping would have had to allocate one
+            os.posix_fallocate(fd, 0, self.segment_bytes)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        # MAP_POPULATE: the page tables are filled now, not by a fault per page in a copy
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        m = mmap.mmap(fd, self.segment_bytes, flags=flags, prot=prot)
         with self._lock:
             self._maps[seg] = (m, memoryview(m))
 
@@ -243,11 +256,17 @@ class MappedSegments(FileSegments):
                 raise CorruptValue(f"segment file is shorter than {end} bytes")
         return self._maps[seg][1]
 
+    def mapping(self, seg: int, end: int, write: bool = False) -> memoryview:
+        if write:
+            fd, st = self.live_fd(seg, create=True)
+            if st.st_size < end:  # truncated behind the store: allocated in full again
+                os.posix_fallocate(fd, 0, self.segment_bytes)
+                self._checked.pop(seg, None)
+        return self._view(seg, end, create=write)  # allocated in full when opened
+
     def write(self, seg: int, offset: int, parts: list[bytes | memoryview]) -> None:
-        fd = self.live_fd(seg, create=True)[0]
         end = offset + sum(len(p) for p in parts)
-        os.posix_fallocate(fd, offset, end - offset)  # ENOSPC here, not SIGBUS below
-        view = self._view(seg, end, create=True)
+        view = self.mapping(seg, end, write=True)
         for p in parts:
             n = len(p)
             view[offset : offset + n] = p
@@ -266,6 +285,10 @@ class MappedSegments(FileSegments):
 
     def sync(self, seg: int) -> None:
         """Memory has nothing to sync to."""
+
+    def cut(self, seg: int, end: int) -> None:
+        """A mapped segment keeps its pages (they were allocated in full when it was
+        created; a copy into it does not fail half way)."""
 
 
 __all__ = ["FileSegments", "MappedSegments", "SegmentLost", "segment_name"]

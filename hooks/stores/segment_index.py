@@ -6,10 +6,13 @@ writer killed at any point (robust mutexes; a dead reader's slot is reclaimed wi
 ``reader_check``). That is every property the index needs, so it is not written here:
 docs/CONNECTOR.md#store compares it with keeping the values themselves in LMDB.
 
-Three tables:
+Four tables:
 
 * ``keys``: 16-byte key digest -> :data:`LOC` (segment, generation, offset, frame bytes);
 * ``segs``: segment number -> :data:`SEG` (generation, published end, owner pid);
+* ``held``: segment number -> the :data:`HELD` records published into it, so that
+  emptying a segment finds its entries (to spill them, then delete them) without reading
+  the segment itself;
 * ``meta``: segment size and count, fixed for the directory.
 
 A segment's generation goes up each time it is emptied for reuse; a location whose
@@ -40,9 +43,10 @@ log = logging.getLogger(__name__)
 
 LOC = struct.Struct("<IQQI")  # segment, generation, offset, frame bytes (header + payload)
 SEG = struct.Struct("<QQI")  # generation, published end, owner pid
+HELD = struct.Struct("<16sQI")  # digest, offset, frame bytes
 _META = struct.Struct("<QQ")  # segment bytes, segment count
 _SEG_KEY = struct.Struct(">I")  # big-endian: LMDB's byte order is the numeric order
-MAP_BYTES = 1 << 34  # address space only: LMDB's file grows as the index does
+MIN_MAP_BYTES = 1 << 20
 MAX_READERS = 4096
 _T = TypeVar("_T")
 
@@ -69,6 +73,8 @@ def as_os_error(exc: lmdb.Error) -> OSError:
     text = str(exc)
     if isinstance(exc, lmdb.ReadonlyError):
         return OSError(errno.EROFS, os.strerror(errno.EROFS))
+    if isinstance(exc, lmdb.MapFullError):  # the index is full: emptying segments frees it
+        return OSError(errno.ENOSPC, f"index full: {text}")
     for message, code in _ERRNO_OF.items():
         if text.endswith(message):
             return OSError(code, message)
@@ -103,8 +109,11 @@ def pid_alive(pid: int) -> bool:
 class SegmentIndex:
     """LMDB tables of one tier directory (``<dir>/index``), shared by every process."""
 
-    def __init__(self, tier_path: str, dir_mode: int, file_mode: int, sync: bool) -> None:
+    def __init__(
+        self, tier_path: str, dir_mode: int, file_mode: int, sync: bool, map_bytes: int
+    ) -> None:
         self.path = os.path.join(tier_path, "index")
+        self.map_bytes = max(MIN_MAP_BYTES, map_bytes)
         self.sync = sync
         self._dir_mode = dir_mode
         self._file_mode = file_mode
@@ -121,6 +130,7 @@ class SegmentIndex:
         self.read_only = bool(self._env.flags()["readonly"])
         self._keys = self._env.open_db(b"keys")
         self._segs = self._env.open_db(b"segs")
+        self._held = self._env.open_db(b"held")
         self._meta = self._env.open_db(b"meta")
 
     def _refuse_links(self) -> None:
@@ -159,26 +169,58 @@ class SegmentIndex:
         self._refuse_links()
         return self._open_lmdb()
 
-    def _open_lmdb(self) -> lmdb.Environment:
+    def _open_lmdb(self, writemap: bool = True) -> lmdb.Environment:
         self._create_files()
         try:
             env = lmdb.open(
                 self.path,
-                map_size=MAP_BYTES,
-                max_dbs=4,
+                map_size=self.map_bytes,
+                max_dbs=5,
                 max_readers=MAX_READERS,
                 sync=self.sync,
                 metasync=self.sync,
                 readahead=False,
+                # pages changed in place in the shared mapping: no write() of every dirty
+                # page at each commit (a third of a put's time without it). The data file
+                # is allocated in full first (_allocate): a store into the mapping then
+                # never meets a full disk, which would be a SIGBUS.
+                writemap=writemap,
                 mode=self._file_mode,
             )
         except lmdb.Error as exc:
             if as_os_error(exc).errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise
             # a read-only directory: serve what it holds; every write raises EROFS
-            return lmdb.open(self.path, max_dbs=4, readonly=True, lock=False)
+            return lmdb.open(self.path, max_dbs=5, readonly=True, lock=False)
         env.reader_check()  # slots of readers that died
+        if writemap:
+            try:
+                self._allocate()
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                log.warning(
+                    "store index %s: no room to allocate %d bytes (%s): written with "
+                    "write() instead of in place (slower, and safe on a full disk)",
+                    self.path,
+                    self.map_bytes,
+                    exc,
+                )
+                env.close()
+                return self._open_lmdb(writemap=False)
         return env
+
+    def _allocate(self) -> None:
+        """Allocate the data file in full (LMDB made it as large as the map, sparse): a
+        store into a hole of the mapping on a full disk would be a SIGBUS, an allocation
+        now is an ENOSPC. Safe to open and close here: LMDB locks only ``lock.mdb``."""
+        fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if st.st_blocks * 512 < st.st_size:
+                os.posix_fallocate(fd, 0, st.st_size)
+        finally:
+            os.close(fd)
 
     def _create_files(self) -> None:
         """Create LMDB's two files with the configured mode (the umask would cut it), or
@@ -194,7 +236,8 @@ class SegmentIndex:
                     return  # a read-only directory: opened read-only below
                 raise
             try:
-                if stat.S_IMODE(os.fstat(fd).st_mode) != self._file_mode:
+                st = os.fstat(fd)
+                if stat.S_IMODE(st.st_mode) != self._file_mode:
                     os.fchmod(fd, self._file_mode)
             finally:
                 os.close(fd)
@@ -231,8 +274,9 @@ class SegmentIndex:
         out: list[Loc | None] = []
         gens: dict[int, int] = {}
         with self._env.begin() as txn:
+            found = dict(txn.cursor(db=self._keys).getmulti(digests))
             for d in digests:
-                raw = txn.get(d, db=self._keys)
+                raw = found.get(d)
                 if raw is None:
                     out.append(None)
                     continue
@@ -248,12 +292,12 @@ class SegmentIndex:
     def current(self, locs: Sequence[Loc]) -> list[bool]:
         """True per location whose segment has not been emptied since it was looked up."""
         self._check_fork()
+        gens: dict[int, int] = {}
         with self._env.begin(db=self._segs) as txn:
-            out = []
-            for loc in locs:
-                row = txn.get(_SEG_KEY.pack(loc.seg))
-                out.append(row is not None and SEG.unpack(row)[0] == loc.gen)
-        return out
+            for seg in {loc.seg for loc in locs}:
+                row = txn.get(_SEG_KEY.pack(seg))
+                gens[seg] = SEG.unpack(row)[0] if row is not None else -1
+        return [gens[loc.seg] == loc.gen for loc in locs]
 
     @_guarded
     def segments(self) -> dict[int, SegRow]:
@@ -262,14 +306,17 @@ class SegmentIndex:
             return {_SEG_KEY.unpack(k)[0]: SegRow(*SEG.unpack(v)) for k, v in txn.cursor()}
 
     @_guarded
-    def live_entries(self, seg: int, gen: int, digests: Sequence[bytes]) -> list[bool]:
-        """True per digest whose entry points into (seg, gen)."""
+    def held(self, seg: int, gen: int) -> list[tuple[bytes, int, int]]:
+        """(digest, offset, frame bytes) of the entries published into (seg, gen) that
+        still point there."""
         self._check_fork()
-        with self._env.begin(db=self._keys) as txn:
+        with self._env.begin() as txn:
+            raw = txn.get(_SEG_KEY.pack(seg), db=self._held) or b""
             out = []
-            for d in digests:
-                raw = txn.get(d)
-                out.append(raw is not None and LOC.unpack(raw)[:2] == (seg, gen))
+            for digest, offset, size in HELD.iter_unpack(raw):
+                loc = txn.get(digest, db=self._keys)
+                if loc is not None and LOC.unpack(loc)[:2] == (seg, gen):
+                    out.append((digest, offset, size))
         return out
 
     @_guarded
@@ -316,6 +363,8 @@ class SegmentIndex:
             gen = (row.gen if row else 0) + (1 if empty or row is None else 0)
             end = 0 if empty or row is None else row.end
             txn.put(key, SEG.pack(gen, end, owner))
+            if empty:
+                txn.delete(key, db=self._held)
         return gen
 
     @_guarded
@@ -348,18 +397,24 @@ class SegmentIndex:
             if row.gen != gen or row.owner != owner:
                 return False
             gens: dict[int, int] = {seg: gen}
-            for digest, offset, size in entries:
-                old = txn.get(digest, db=self._keys)
-                if old is not None:
+            items = [(d, LOC.pack(seg, gen, off, size)) for d, off, size in entries]
+            added = txn.cursor(db=self._keys).putmulti(items, overwrite=False)[1]
+            if added < len(items):  # some were there: kept if current (the first wins)
+                for digest, loc in items:
+                    old = txn.get(digest, db=self._keys)
+                    if old == loc:
+                        continue
                     oseg, ogen = LOC.unpack(old)[:2]
                     cur = gens.get(oseg)
                     if cur is None:
                         orow = txn.get(_SEG_KEY.pack(oseg), db=self._segs)
                         cur = gens[oseg] = SEG.unpack(orow)[0] if orow is not None else -1
-                    if cur == ogen:
-                        continue  # present: the first value wins
-                txn.put(digest, LOC.pack(seg, gen, offset, size), db=self._keys)
+                    if cur != ogen:
+                        txn.put(digest, loc, db=self._keys)  # a stale entry: replaced
+            held = txn.get(key, db=self._held) or b""
+            held += b"".join(HELD.pack(d, off, size) for d, off, size in entries)
             txn.put(key, SEG.pack(gen, max(end, row.end), owner), db=self._segs)
+            txn.put(key, held, db=self._held)
         return True
 
     @_guarded
@@ -377,10 +432,10 @@ class SegmentIndex:
         only cost index space."""
         self._check_fork()
         with self._env.begin(write=True, db=self._keys) as txn:
+            cursor = txn.cursor()
             for d in digests:
-                raw = txn.get(d)
-                if raw is not None and LOC.unpack(raw)[:2] == (seg, gen):
-                    txn.delete(d)
+                if cursor.set_key(d) and LOC.unpack(cursor.value())[:2] == (seg, gen):
+                    cursor.delete()
 
     @_guarded
     def remove(self, digests: Sequence[bytes]) -> int:
@@ -405,6 +460,7 @@ class SegmentIndex:
             raw = txn.get(key)
             gen = SEG.unpack(raw)[0] if raw is not None else 0
             txn.put(key, SEG.pack(gen + 1, 0, 0))
+            txn.delete(key, db=self._held)
 
     @_guarded
     def flush(self) -> None:
@@ -451,4 +507,4 @@ def is_enospc(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
 
 
-__all__ = ["LOC", "SEG", "Loc", "SegRow", "SegmentIndex", "is_enospc", "pid_alive"]
+__all__ = ["HELD", "LOC", "SEG", "Loc", "SegRow", "SegmentIndex", "is_enospc", "pid_alive"]

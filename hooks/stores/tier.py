@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
-from ucm_patch.hooks.stores.framing import HEADER_SIZE, CorruptValue, payload_length
-from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments, SegmentLost
+from ucm_patch.hooks.stores.framing import HEADER_SIZE, CorruptValue, make_header
+from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments
 from ucm_patch.hooks.stores.segment_index import Loc, SegmentIndex, SegRow, pid_alive
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,10 @@ _ZEROS = bytes(64)
 MAX_SEGMENTS = 1 << 16
 MIN_SEGMENTS = 4  # a smaller capacity gets smaller segments: eviction stays gradual
 _TICK = struct.Struct("<Q")
-#: A value: its key digest, frame header and payload.
+#: A value: its key digest, its key's bytes (or, spilled, its frame header) and payload.
 Record = tuple[bytes, bytes, memoryview]
+#: The frame header of a payload stored under a key (the store's integrity check).
+Frame = Callable[[bytes, memoryview], bytes]
 #: Takes the live values of a segment being emptied: (digest, frame header, payload).
 Spill = Callable[[list[Record]], None]
 
@@ -82,8 +84,10 @@ class Tier:
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         spill: Spill | None = None,
+        frame: Frame | None = None,
     ) -> None:
         self.name = name
+        self.frame: Frame = frame or (lambda key, payload: make_header(key, payload))
         self.path = os.path.abspath(path)
         self.fsync = fsync
         self.spill = spill
@@ -92,6 +96,7 @@ class Tier:
         self.disk_full = 0  # ENOSPC answered by evicting and retrying
         self._warn = RateLimitedLog(log, 30.0)
         self._lock = threading.Lock()  # guards the counters above
+        self._last: Lease | None = None  # where the last put left off: tried first
         try:
             if not os.path.isdir(self.path):
                 os.makedirs(self.path, mode=dir_mode, exist_ok=True)
@@ -100,7 +105,10 @@ class Tier:
             self._dir = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             raise StoreError(f"{name} tier: cannot create directory {self.path!r}: {exc}") from exc
-        self.index = SegmentIndex(self.path, dir_mode, file_mode, sync=fsync)
+        # index room: about 100 bytes per value of 64 KiB, twice over for LMDB's
+        # copy-on-write pages and stale entries
+        index_bytes = (capacity_bytes // 64 + (1 << 20) - 1) & ~((1 << 20) - 1)
+        self.index = SegmentIndex(self.path, dir_mode, file_mode, fsync, index_bytes)
         wanted = max(4096, min(segment_bytes, capacity_bytes // MIN_SEGMENTS) & ~4095)
         count = max(1, min(MAX_SEGMENTS, capacity_bytes // wanted))
         self.segment_bytes, self.count, previous = self.index.layout(wanted, count)
@@ -156,9 +164,10 @@ class Tier:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def put(self, records: Sequence[Record]) -> list[bool]:
-        """Append ``records``; True per record stored (or already present), False where it
-        is larger than a segment or every segment is being written by live processes."""
+    def put(self, records: Sequence[Record], framed: bool = False) -> list[bool]:
+        """Append ``records`` (digest, key bytes, payload), or with ``framed`` (digest,
+        frame header, payload); True per record stored (or already present), False where
+        it is larger than a segment or every segment is being written by live processes."""
         out = [record_bytes(len(p)) <= self.segment_bytes for _d, _h, p in records]
         pending = [i for i, fits in enumerate(out) if fits]
         lease: Lease | None = None
@@ -166,7 +175,7 @@ class Tier:
         try:
             while pending:
                 try:
-                    lease, taken = self._append(lease, records, pending)
+                    lease, taken = self._append(lease, records, pending, framed)
                 except StoreError as exc:
                     lease = None  # _append gave it back
                     cause = exc.__cause__
@@ -186,7 +195,7 @@ class Tier:
         return out
 
     def _append(
-        self, lease: Lease | None, records: Sequence[Record], pending: list[int]
+        self, lease: Lease | None, records: Sequence[Record], pending: list[int], framed: bool
     ) -> tuple[Lease | None, int]:
         """Write and publish as many of ``pending`` as fit in ``lease`` (a new one when it
         has no room): (the lease, records done). StoreError on failure, caused by the
@@ -199,22 +208,17 @@ class Tier:
             if lease is None:
                 return None, 0
         self.files.new_batch()
-        end, parts, entries = lease.end, [], []
+        end, entries = lease.end, []
         for i in pending:
-            digest, header, payload = records[i]
-            size = record_bytes(len(payload))
-            if end + size > self.segment_bytes:
+            n = len(records[i][2])
+            if end + record_bytes(n) > self.segment_bytes:
                 break
-            parts += (digest, _PAD, header, payload)
-            if size - RECORD_HEADER - len(payload):
-                parts.append(_ZEROS[: size - RECORD_HEADER - len(payload)])
-            entries.append((digest, end, HEADER_SIZE + len(payload)))
-            end += size
+            entries.append((records[i][0], end, HEADER_SIZE + n))
+            end += record_bytes(n)
+        batch = [records[i] for i in pending[: len(entries)]]
         try:
             try:
-                self.files.write(lease.seg, lease.end, parts)
-                if self.fsync:
-                    self.files.sync(lease.seg)
+                self._write(lease, batch, entries, end, framed)
             except OSError as exc:
                 self.files.cut(lease.seg, lease.end)  # a partly written batch: space back
                 where = self.files.where(lease.seg)
@@ -229,8 +233,40 @@ class Tier:
         self.touch(lease.seg)
         return lease, len(entries)
 
+    def _write(
+        self,
+        lease: Lease,
+        batch: list[Record],
+        entries: list[tuple[bytes, int, int]],
+        end: int,
+        framed: bool,
+    ) -> None:
+        """Write ``batch`` at ``entries``' offsets. A mapped segment gets each payload copied
+        once and its frame computed on the copy (hot in the cache: the checksum costs no
+        second trip to memory); a file segment gets one ``pwritev`` of the batch."""
+        view = self.files.mapping(lease.seg, end, write=True)
+        if view is not None:
+            for (digest, key, payload), (_d, off, size) in zip(batch, entries, strict=True):
+                at = off + RECORD_HEADER
+                stop = off + FRAME_AT + size
+                view[at:stop] = payload
+                header = key if framed else self.frame(key, view[at:stop])
+                view[off:at] = digest + _PAD + header
+            return
+        parts: list[bytes | memoryview] = []
+        for (digest, key, payload), (_d, _off, size) in zip(batch, entries, strict=True):
+            header = key if framed else self.frame(key, payload)
+            parts += (digest, _PAD, header, payload)
+            pad = record_bytes(size - HEADER_SIZE) - RECORD_HEADER - (size - HEADER_SIZE)
+            if pad:
+                parts.append(_ZEROS[:pad])
+        self.files.write(lease.seg, lease.end, parts)
+        if self.fsync:
+            self.files.sync(lease.seg)
+
     def _seal(self, lease: Lease) -> None:
         self.index.release(lease.seg, lease.gen, os.getpid())
+        self._last = Lease(lease.seg, lease.gen, lease.end)
 
     def _seal_quietly(self, lease: Lease) -> None:
         """Give ``lease`` back on a failure path (a full disk may refuse that too: then
@@ -249,6 +285,11 @@ class Tier:
         recently used one nobody writes (emptied first). None when live processes write
         every segment."""
         me = os.getpid()
+        last = self._last  # the segment this process appended to last, as it left it
+        if last is not None and last.end + need <= self.segment_bytes:
+            gen = self.index.claim(last.seg, SegRow(last.gen, last.end, 0), me, empty=False)
+            if gen is not None:  # untouched since: no scan of the segment table
+                return self._leased(last.seg, gen, last.end)
         for _attempt in range(16):
             rows = self.index.segments()
             free = [
@@ -289,38 +330,18 @@ class Tier:
         if row.end and self.index.claim(seg, row, me, empty=False) is None:
             return None
         held = SegRow(row.gen, row.end, me) if row.end else row
-        records = self._records(seg, row.end) if row.end else []
-        digests = [d for d, _off, _size in records]
-        live = self.index.live_entries(seg, row.gen, digests) if records else []
-        alive = [rec for rec, ok in zip(records, live, strict=True) if ok]
+        alive = self.index.held(seg, row.gen) if row.end else []
         if alive:
             self._spill(seg, alive)
         gen = self.index.claim(seg, held, me, empty=True)
         if gen is None:
             return None
-        if digests:
-            self.index.purge(seg, row.gen, digests)
+        if alive:
+            self.index.purge(seg, row.gen, [d for d, _off, _size in alive])
         if remove:
             self.index.release(seg, gen, me)
             self.files.remove(seg)
         return gen
-
-    def _records(self, seg: int, end: int) -> list[tuple[bytes, int, int]]:
-        """(digest, offset, frame bytes) of the records in ``seg`` up to ``end``; stops at
-        the first that does not parse (a torn tail, a damaged file)."""
-        out: list[tuple[bytes, int, int]] = []
-        off = 0
-        try:
-            while off + RECORD_HEADER <= end:
-                head = self.files.read(seg, off, RECORD_HEADER)
-                n = payload_length(head[FRAME_AT:])
-                out.append((head[:16], off, HEADER_SIZE + n))
-                off += record_bytes(n)
-        except (CorruptValue, SegmentLost, OSError) as exc:
-            self._warn.warning(
-                ("walk", seg), "%s tier: segment %d unreadable at %d: %s", self.name, seg, off, exc
-            )
-        return out
 
     def _spill(self, seg: int, live: list[tuple[bytes, int, int]]) -> None:
         """Hand the live values to ``spill`` (or count them evicted)."""
@@ -378,10 +399,17 @@ class Tier:
         self.files.new_batch()
         return self.index.lookup(digests)
 
-    def read_into(self, loc: Loc, header: memoryview, payload: memoryview) -> None:
-        """The frame header and payload at ``loc`` (one copy; CorruptValue when the file is
-        short, SegmentLost when it is gone)."""
-        self.files.read_into(loc.seg, loc.offset + FRAME_AT, [header, payload])
+    def read_into(self, loc: Loc, payload: memoryview) -> bytes | memoryview:
+        """Copy the payload at ``loc`` into ``payload``; its frame header (CorruptValue when
+        the file is short, SegmentLost when it is gone)."""
+        at = loc.offset + RECORD_HEADER
+        view = self.files.mapping(loc.seg, loc.offset + FRAME_AT + loc.size)
+        if view is not None:
+            payload[:] = view[at : at + len(payload)]
+            return view[loc.offset + FRAME_AT : at]
+        header = bytearray(HEADER_SIZE)
+        self.files.read_into(loc.seg, loc.offset + FRAME_AT, [memoryview(header), payload])
+        return header
 
     def read(self, loc: Loc) -> tuple[bytes, bytes]:
         head = self.files.read(loc.seg, loc.offset + FRAME_AT, HEADER_SIZE)
@@ -405,4 +433,4 @@ class Tier:
         os.close(self._dir)
 
 
-__all__ = ["FRAME_AT", "RECORD_HEADER", "Lease", "Record", "Tier", "record_bytes"]
+__all__ = ["FRAME_AT", "RECORD_HEADER", "Frame", "Lease", "Record", "Tier", "record_bytes"]
