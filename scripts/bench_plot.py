@@ -176,27 +176,28 @@ def plot_stores(d: dict[str, Any], path: Path) -> None:
     import statistics
 
     plt = _plt()
-    res = d["results"]
-    fig, ax = plt.subplots(figsize=(9, 3.2))
-    names, puts, gets = [], [], []
-    for name, ops in res.items():
-        if name == "memcpy":
-            continue
-        names.append(name)
-        puts.append(statistics.median(ops["put"]))
-        # What loads use (into buffers); rows without it (older results) show get_many.
-        gets.append(statistics.median(ops.get("get_into") or ops["get"]))
-    y = list(range(len(names)))
-    ax.barh([i - 0.2 for i in y], puts, height=0.4, label="put")
-    ax.barh([i + 0.2 for i in y], gets, height=0.4, label="get into buffers")
-    ax.set_yticks(y, names)
-    colors = ("r", "m", "k")
-    for (what, xs), c in zip(res["memcpy"].items(), colors, strict=False):
-        ax.axvline(statistics.median(xs), color=c, ls="--", label=what)
-    ax.set_xlabel("MiB/s (median)")
-    ax.legend(fontsize=7, loc="lower right")
-    ax.invert_yaxis()
-    ax.set_title("store throughput vs the memory-copy ceiling of the same run", fontsize=9)
+    sizes = d.get("sizes", {})
+    fig, axes = plt.subplots(1, max(1, len(sizes)), figsize=(11, 3.6), squeeze=False)
+    for ax, (label, sd) in zip(axes[0], sizes.items(), strict=False):
+        res = sd["results"]
+        mem = statistics.median(res["memcpy"]["memcpy into preallocated"])
+        names, puts, gets = [], [], []
+        for name, ops in res.items():
+            if name == "memcpy" or "put" not in ops:
+                continue
+            names.append(name)
+            puts.append(100 * statistics.median(ops["put"]) / mem)
+            gets.append(100 * statistics.median(ops["get_into"]) / mem if "get_into" in ops else 0)
+        y = list(range(len(names)))
+        ax.barh([i - 0.2 for i in y], puts, height=0.4, label="put")
+        ax.barh([i + 0.2 for i in y], gets, height=0.4, label="get into buffers")
+        ax.set_yticks(y, names, fontsize=7)
+        ax.axvline(60, color="r", ls="--", label="memory tier target")
+        ax.axvline(50, color="m", ls=":", label="disk tier target")
+        ax.set_xlabel("% of memcpy in the same run (median)")
+        ax.invert_yaxis()
+        ax.set_title(f"{label} values", fontsize=9)
+    axes[0][0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

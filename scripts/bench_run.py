@@ -40,8 +40,8 @@ BENCHES: dict[str, tuple[list[str], list[str], int, str]] = {
     "ttft": (["bench_ttft.py"], ["bench_ttft.py", "--quick"], 1500, ""),
     "stores": (
         ["bench_stores.py", "--out", str(OUT / "stores")],
-        ["bench_stores.py", "--count", "50", "--repeat", "2", "--out", str(OUT / "stores")],
-        600,
+        ["bench_stores.py", "--total", "32MiB", "--repeat", "2", "--out", str(OUT / "stores")],
+        900,
         "",
     ),
 }

@@ -381,9 +381,16 @@ class SegmentIndex:
 
     @_guarded
     def publish(
-        self, seg: int, gen: int, owner: int, entries: Sequence[tuple[bytes, int, int]], end: int
+        self,
+        seg: int,
+        gen: int,
+        owner: int,
+        entries: Sequence[tuple[bytes, int, int]],
+        end: int,
+        release: bool = False,
     ) -> bool:
-        """Make ``entries`` (digest, offset, frame bytes) of (seg, gen) visible at once.
+        """Make ``entries`` (digest, offset, frame bytes) of (seg, gen) visible at once,
+        and with ``release`` give the segment up in the same transaction.
 
         A digest that already has a current entry keeps it (the first value wins). False,
         publishing nothing, when the segment is no longer this owner's (taken as dead)."""
@@ -413,7 +420,7 @@ class SegmentIndex:
                         txn.put(digest, loc, db=self._keys)  # a stale entry: replaced
             held = txn.get(key, db=self._held) or b""
             held += b"".join(HELD.pack(d, off, size) for d, off, size in entries)
-            txn.put(key, SEG.pack(gen, max(end, row.end), owner), db=self._segs)
+            txn.put(key, SEG.pack(gen, max(end, row.end), 0 if release else owner), db=self._segs)
             txn.put(key, held, db=self._held)
         return True
 

@@ -184,7 +184,7 @@ class Tier:
                     self._relieve(sum(record_bytes(len(records[i][2])) for i in pending), cause)
                     relieved = True
                     continue
-                if lease is None:  # every segment is some live process's lease
+                if not taken:  # every segment is some live process's lease
                     for i in pending:
                         out[i] = False
                     break
@@ -223,7 +223,8 @@ class Tier:
                 self.files.cut(lease.seg, lease.end)  # a partly written batch: space back
                 where = self.files.where(lease.seg)
                 raise StoreError(f"{self.name} tier: cannot write {where!r}: {exc}") from exc
-            if not self.index.publish(lease.seg, lease.gen, os.getpid(), entries, end):
+            last = len(entries) == len(pending)  # the put's last batch: released with it
+            if not self.index.publish(lease.seg, lease.gen, os.getpid(), entries, end, last):
                 raise StoreError(f"{self.name} tier: lost segment {lease.seg} mid-write")
             self.index.flush()
         except BaseException:
@@ -231,6 +232,9 @@ class Tier:
             raise
         lease.end = end
         self.touch(lease.seg)
+        if last:
+            self._last = Lease(lease.seg, lease.gen, end)
+            return None, len(entries)
         return lease, len(entries)
 
     def _write(
