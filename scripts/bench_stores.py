@@ -198,6 +198,9 @@ def _put_worker(path: str, tier: str, size: int, count: int, tag: str, share: in
     items = [(f"{tag}/{i}", v) for i, v in enumerate(values)]
     batch = max(1, BATCH_BYTES // size)
     if tag != "fill":
+        # a serving process has mapped the segments long before: so has this one
+        for chunk in _batches([(f"{tag}-warm/{i}", v) for i, v in enumerate(values)], batch):
+            store.put_many(chunk)
         print("ready", flush=True)
         sys.stdin.readline()
     for chunk in _batches(items, batch):

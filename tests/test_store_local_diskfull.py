@@ -18,9 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ucm_patch.hooks.stores.local import LocalStore
+from ucm_patch.hooks.stores.tier import record_bytes
 
 VALUE = 256 << 10
 PUTS = 60  # 15 MiB through a 4 MiB disk
+SEGMENT = 1 << 20
 
 
 class _Count(logging.Handler):
@@ -34,10 +36,11 @@ class _Count(logging.Handler):
 
 def _driver(mount: str, out: str) -> None:
     counter = _Count()
-    logging.getLogger("ucm_patch.hooks.stores.local").addHandler(counter)
-    logging.getLogger("ucm_patch.hooks.stores.local").setLevel(logging.INFO)
+    logging.getLogger("ucm_patch.hooks.stores").addHandler(counter)
+    logging.getLogger("ucm_patch.hooks.stores").setLevel(logging.INFO)
     report: dict[str, object] = {}
-    s = LocalStore(os.path.join(mount, "big"), capacity_bytes=64 << 20)  # 16 x the disk
+    big = os.path.join(mount, "big")  # 16 x the disk, in segments of 4 values
+    s = LocalStore(big, capacity_bytes=64 << 20, segment_bytes=SEGMENT)
     results = []
     for i in range(PUTS):
         key = f"v{i}"
@@ -51,21 +54,28 @@ def _driver(mount: str, out: str) -> None:
     s.close()
     shutil.rmtree(os.path.join(mount, "big"))
 
-    # the default capacity: free space + what is already stored, at most 10 GiB
-    first = LocalStore(os.path.join(mount, "capped"), capacity_bytes=1 << 20)
+    # the default capacity: free space + what is already stored, at most 10 GiB, in whole
+    # segments
+    capped_dir = os.path.join(mount, "capped")
+    first = LocalStore(capped_dir, capacity_bytes=1 << 20, segment_bytes=SEGMENT // 4)
     assert first.put_many([(f"c{i}", b"c" * (100 << 10)) for i in range(5)]) == [True] * 5
-    stored = first.used_bytes
+    first.close()
+    held = sum(e.stat().st_blocks * 512 for e in os.scandir(capped_dir) if e.name[:4] == "seg-")
     vfs = os.statvfs(mount)
     free = vfs.f_bavail * vfs.f_frsize
     counter.records.clear()
-    capped = LocalStore(os.path.join(mount, "capped"))
-    report["cap"] = {"capacity": capped.capacity_bytes, "free": free, "stored": stored}
+    capped = LocalStore(capped_dir)
+    report["cap"] = {
+        "capacity": capped.capacity_bytes,
+        "free": free,
+        "held": held,
+        "segment": capped.disk.segment_bytes,
+        "stored": capped.used_bytes,
+    }
     report["cap_logged"] = [
         r.getMessage() for r in counter.records if "capacity capped at" in r.getMessage()
     ]
-    report["configured_not_capped"] = LocalStore(
-        os.path.join(mount, "capped"), capacity_bytes=64 << 20
-    ).capacity_bytes
+    report["configured_not_capped"] = LocalStore(capped_dir, capacity_bytes=64 << 20).capacity_bytes
     Path(out).write_text(json.dumps(report))
 
 
@@ -88,14 +98,18 @@ def test_enospc_evicts_and_retries_and_default_capacity_is_capped(tmp_path: Path
     assert r["stats"]["errors"] == 0, r["stats"]
     assert r["stats"]["disk_full"] >= 1, r["stats"]
     assert r["stats"]["evictions"] >= PUTS - 4 * (1 << 20) // VALUE, r["stats"]
-    # each ENOSPC frees a tenth of the disk (here 2 values), so most puts do not hit it ...
+    # each ENOSPC empties whole segments, at least a tenth of what is stored, so most
+    # puts do not hit it ...
     assert r["stats"]["disk_full"] <= PUTS // 2, r["stats"]
     # ... and their warnings are rate limited: one line, not one per put
-    assert len(r["warnings"]) == 1 and "disk full" in r["warnings"][0], r["warnings"]
+    assert len(r["warnings"]) == 1 and "file system full" in r["warnings"][0], r["warnings"]
     assert r["last_readable"] is True
     cap = r["cap"]
-    assert cap["capacity"] == cap["free"] + cap["stored"] < 4 << 20, cap
-    assert cap["stored"] == 5 * (100 << 10) + 5 * 20, cap
+    # the directory's segment size (a quarter MiB, from its first process) counts it
+    assert cap["segment"] == SEGMENT // 4, cap
+    assert cap["capacity"] == (cap["free"] + cap["held"]) // cap["segment"] * cap["segment"], cap
+    assert cap["capacity"] < 4 << 20, cap
+    assert cap["stored"] == 5 * record_bytes(100 << 10), cap
     assert len(r["cap_logged"]) == 1, r["cap_logged"]
     assert r["configured_not_capped"] == 64 << 20
 

@@ -127,9 +127,10 @@ class LocalStore(KVStore):
         super().__init__()
         for counter in ("disk_full", "spilled", "memory_hits", "disk_hits"):
             self.stats[counter] = 0
-        for name, value in (("capacity_bytes", capacity_bytes), ("memory_bytes", memory_bytes)):
-            if value is not None and value < (1 if name == "capacity_bytes" else 0):
-                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be >= 0 (0: no memory tier), got {memory_bytes!r}")
         self.path = os.path.abspath(os.fspath(path))
         self._lock = threading.Lock()  # guards stats and _closed
         self._closed = False

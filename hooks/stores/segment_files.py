@@ -27,6 +27,7 @@ import mmap
 import os
 import stat
 import threading
+from typing import Any
 
 from ucm_patch.hooks.stores.framing import CorruptValue
 
@@ -80,23 +81,25 @@ class FileSegments:
                 raise SegmentLost(exc.errno, "not a regular file", self.where(seg)) from exc
             else:
                 raise
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise SegmentLost(errno.EINVAL, "not a regular file", self.where(seg))
-        if create and stat.S_IMODE(st.st_mode) != self.file_mode:
-            os.fchmod(fd, self.file_mode)  # the umask may have cut bits the config asked for
-        with self._lock:
-            if seg in self._fds:  # another thread opened it first
-                os.close(fd)
-                return self._fds[seg]
-            self._fds[seg] = fd
         try:
-            self._opened(seg, fd, create)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentLost(errno.EINVAL, "not a regular file", self.where(seg))
+            if create and stat.S_IMODE(st.st_mode) != self.file_mode:
+                os.fchmod(fd, self.file_mode)  # the umask may have cut what config asked for
+            extra = self._opened(seg, fd, create)
         except BaseException:
-            self.forget(seg)
+            os.close(fd)
             raise
-        return fd
+        with self._lock:  # published whole: a thread that finds the fd finds its mapping
+            if seg not in self._fds:
+                self._fds[seg] = fd
+                self._install(seg, extra)
+                return fd
+            found = self._fds[seg]  # another thread opened it first
+        self._discard(extra)
+        os.close(fd)
+        return found
 
     def _open_read_only(self, seg: int) -> int:
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -107,8 +110,15 @@ class FileSegments:
                 raise SegmentLost(exc.errno, "not a regular file", self.where(seg)) from exc
             raise
 
-    def _opened(self, seg: int, fd: int, create: bool) -> None:
-        """Hook for subclasses (the memory tier maps the file)."""
+    def _opened(self, seg: int, fd: int, create: bool) -> Any:
+        """What a subclass keeps per open file (the memory tier: its mapping)."""
+        return None
+
+    def _install(self, seg: int, extra: Any) -> None:
+        """Keep ``extra`` for ``seg`` (called with the lock held)."""
+
+    def _discard(self, extra: Any) -> None:
+        """Drop an ``extra`` that lost the race to another thread's."""
 
     def live_fd(self, seg: int, create: bool = False) -> tuple[int, os.stat_result]:
         """The descriptor and its ``fstat``, reopened when the file was deleted behind the
@@ -221,7 +231,7 @@ class MappedSegments(FileSegments):
         super().__init__(dir_fd, path, segment_bytes, file_mode)
         self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
 
-    def _opened(self, seg: int, fd: int, create: bool) -> None:
+    def _opened(self, seg: int, fd: int, create: bool) -> tuple[mmap.mmap, memoryview]:
         writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
         if create and writable and os.fstat(fd).st_blocks * 512 < self.segment_bytes:
             # every page of the segment now, once per file: ENOSPC here, never a SIGBUS
@@ -231,8 +241,14 @@ class MappedSegments(FileSegments):
         # MAP_POPULATE: the page tables are filled now, not by a fault per page in a copy
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         m = mmap.mmap(fd, self.segment_bytes, flags=flags, prot=prot)
-        with self._lock:
-            self._maps[seg] = (m, memoryview(m))
+        return m, memoryview(m)
+
+    def _install(self, seg: int, extra: tuple[mmap.mmap, memoryview]) -> None:
+        self._maps[seg] = extra
+
+    def _discard(self, extra: tuple[mmap.mmap, memoryview]) -> None:
+        extra[1].release()
+        extra[0].close()
 
     def _closed(self, seg: int) -> None:
         with self._lock:
@@ -254,7 +270,10 @@ class MappedSegments(FileSegments):
             self._checked[seg] = (fd, st)
             if st.st_size < end:
                 raise CorruptValue(f"segment file is shorter than {end} bytes")
-        return self._maps[seg][1]
+        found = self._maps.get(seg)
+        if found is None:  # forgotten by another thread meanwhile (its file was replaced)
+            raise SegmentLost(errno.ENOENT, "segment reopened meanwhile", self.where(seg))
+        return found[1]
 
     def mapping(self, seg: int, end: int, write: bool = False) -> memoryview:
         if write:
