@@ -7,7 +7,7 @@ was emptied meanwhile (then the copy is a miss, whatever it holds).
 
 Record layout in a segment (64-byte aligned, so payloads are too)::
 
-    digest 16 B | zero 28 B | frame header 20 B | payload | zero pad to 64 B
+    digest 16 B | 28 B unused | frame header 20 B | payload | pad to 64 B
 
 The frame header (:mod:`~ucm_patch.hooks.stores.framing`) checksums the key and payload,
 so the index never needs to be trusted for content: a stale or forged location reads as
