@@ -458,18 +458,6 @@ class SegmentIndex:
             txn.drop(self._keys, delete=False)
 
     @_guarded
-    def forget_segment(self, seg: int) -> None:
-        """The segment's file is gone: a new generation (every entry into it goes stale;
-        generations never go back, so an old entry can never become current again)."""
-        self._check_fork()
-        key = _SEG_KEY.pack(seg)
-        with self._env.begin(write=True, db=self._segs) as txn:
-            raw = txn.get(key)
-            gen = SEG.unpack(raw)[0] if raw is not None else 0
-            txn.put(key, SEG.pack(gen + 1, 0, 0))
-            txn.delete(key, db=self._held)
-
-    @_guarded
     def flush(self) -> None:
         if self.sync:
             self._env.sync(True)
@@ -510,8 +498,4 @@ def _release_env(path: str) -> None:
         pass
 
 
-def is_enospc(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
-
-
-__all__ = ["HELD", "LOC", "SEG", "Loc", "SegRow", "SegmentIndex", "is_enospc", "pid_alive"]
+__all__ = ["HELD", "LOC", "SEG", "Loc", "SegRow", "SegmentIndex", "pid_alive"]
