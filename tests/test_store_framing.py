@@ -39,6 +39,24 @@ def test_crc32_frames_written_before_stay_readable() -> None:
     framing.verify(KEY, _crc_frame(KEY, payload), payload)
 
 
+def test_streamed_xxh3_frames_written_before_stay_readable() -> None:
+    """Algo 3 (XXH3 streamed over prefix, key and payload) was written until the seeded
+    one-call checksum (algo 4) replaced it: those values are still served, and damage in
+    them is still refused."""
+    import xxhash
+
+    payload = bytearray(os.urandom(4096))
+    prefix = struct.pack(
+        "<4sBBHQ", framing.MAGIC, framing.VERSION, framing.ALGO_XXH3_STREAM, 0, len(payload)
+    )
+    digest = xxhash.xxh3_64_intdigest(prefix + KEY + bytes(payload)) & 0xFFFFFFFF
+    header = prefix + struct.pack("<I", digest)
+    framing.verify(KEY, header, payload)
+    payload[7] ^= 1
+    with pytest.raises(framing.CorruptValue, match="checksum mismatch"):
+        framing.verify(KEY, header, payload)
+
+
 @pytest.mark.parametrize("make", ["xxh3", "crc32"])
 def test_both_reject_a_flipped_bit_and_a_wrong_key(make: str) -> None:
     payload = bytearray(os.urandom(4096))

@@ -644,10 +644,17 @@ class DumpScheduler:
             raise ValueError(
                 f"dump payload for row {task.row} has {len(data)} values for {len(keys)} keys"
             )
-        flags = task.batch.store.put_many(list(zip(keys, data, strict=True)))
-        nbytes = 0
-        for value in data:
-            nbytes += value.nbytes if type(value) is memoryview else len(value)
+        try:
+            flags = task.batch.store.put_many(list(zip(keys, data, strict=True)))
+            nbytes = 0
+            for value in data:
+                nbytes += value.nbytes if type(value) is memoryview else len(value)
+        finally:
+            # a payload in a lent buffer (the connector's staging buffers) gives it back
+            # once the store has copied it, stored or not
+            release = getattr(data, "release", None)
+            if release is not None:
+                release()
         task.nbytes = nbytes
         return OK if all(flags) else STORE_FULL
 

@@ -8,11 +8,14 @@ Layout (little-endian, 20 bytes, then the payload)::
 
     magic  b"UCMv"  4 s   rejects foreign or older-format data
     version         1 B   bumped when the layout changes (old data then reads as corrupt)
-    algo            1 B   3 = XXH3-64 (written), 1 = zlib.crc32 (still read)
+    algo            1 B   4 = seeded XXH3-64 (written); 3 = XXH3-64 and 1 = zlib.crc32
+                          (written by earlier versions, still read)
     reserved        2 B   zero
     payload_len     8 B   catches truncation / trailing garbage
-    checksum        4 B   over header bytes [0:16] + key (utf-8) + payload: the low 32 bits
-                          of XXH3-64 (algo 3) or CRC32 (algo 1)
+    checksum        4 B   over header bytes [0:16] + key (utf-8) + payload, low 32 bits:
+                          algo 4: XXH3-64 of the payload seeded with the XXH3-64 of
+                          header bytes [0:16] + key (one pass, one call per value);
+                          algo 3: XXH3-64 streamed over all three; algo 1: CRC32
 
 Keyed frame (algo 2), used when a store key is set (``UCM_PATCH_STORE_KEY`` or
 ``UCM_PATCH_STORE_KEY_FILE``; environment only, never store config, so the secret does not
@@ -32,14 +35,15 @@ suffices because a forger cannot test guesses offline: each try costs a served r
 
 Without a key, a fast non-cryptographic checksum is used: the threat is accidental damage
 (torn writes, bit rot, a bug writing the wrong buffer), not an adversary. Binding the key
-into the checksum also rejects a value stored or renamed under the wrong key. Which one,
-by measurement on this machine kind (64 MiB buffers, one core; memcpy 9.2 GB/s):
-zlib.crc32 4.1 GB/s, hardware CRC32C (``crc32c``) 12.6 GB/s, XXH3-64 (``xxhash``) 19.7
-GB/s. The checksum runs over every byte of every put and get, so XXH3 is written (algo
-3); CRC32 values written before stay readable, and without the ``xxhash`` package the
-store writes CRC32 (never fails). 32 bits of XXH3 miss a random corruption with the same
-2^-32 chance as a CRC32. python-xxhash holds the GIL while hashing (about 33 us per MiB
-here); zlib releases it but spends 250 us per MiB, so two dump workers still gain 6x.
+into the checksum also rejects a value stored or renamed under the wrong key. Which one
+was chosen by measurement (``scripts/bench_stores.py`` prints the XXH3 rate next to memcpy;
+docs/BENCHMARKS.md): XXH3-64 (``xxhash``) runs several times faster than ``zlib.crc32``
+and faster than hardware CRC32C, and the checksum runs over every byte of every put and
+get. Algo 4 hashes the payload in one call seeded by the key's hash, so a put costs one
+C call per value beyond its copy; algo 3 and CRC32 values written before stay readable,
+and without the ``xxhash`` package the store writes CRC32 (never fails). 32 bits of XXH3
+miss a random corruption with the same 2^-32 chance as a CRC32. python-xxhash holds the
+GIL while hashing; zlib releases it but is slower by more than the number of dump workers.
 """
 
 from __future__ import annotations
@@ -52,16 +56,19 @@ import stat
 import struct
 import zlib
 
-try:  # XXH3 at ~20 GB/s (module docstring); CRC32 without the package
+try:  # XXH3 (module docstring); CRC32 without the package
     from xxhash import xxh3_64 as _xxh3_64
+    from xxhash import xxh3_64_intdigest as _xxh3_64_int
 except ImportError:  # pragma: no cover - xxhash is an install requirement
-    _xxh3_64 = None
+    _xxh3_64 = _xxh3_64_int = None
 
 MAGIC = b"UCMv"
 VERSION = 1
 ALGO_CRC32 = 1
 ALGO_KEYED = 2
-ALGO_XXH3 = 3
+ALGO_XXH3_STREAM = 3  # streamed over prefix, key and payload: written before algo 4
+ALGO_XXH3 = 4  # the payload's XXH3 seeded with the XXH3 of prefix and key
+_READ_ALGOS = (ALGO_CRC32, ALGO_XXH3_STREAM, ALGO_XXH3)
 #: The algorithm new unkeyed frames use.
 WRITE_ALGO = ALGO_CRC32 if _xxh3_64 is None else ALGO_XXH3
 KEY_ENV = "UCM_PATCH_STORE_KEY"
@@ -71,6 +78,9 @@ MIN_KEY_BYTES = 16
 _HEADER = struct.Struct("<4sBBHQI")
 HEADER_SIZE = _HEADER.size  # 20
 _PREFIX = 16  # the header bytes covered by the checksum (everything but the crc itself)
+_U32 = struct.Struct("<I")
+_LOW32 = 0xFFFFFFFF
+_prefixes: dict[int, bytes] = {}  # payload length -> unkeyed header prefix (the first 64)
 _KEYED = struct.Struct("<4sBB6s8s")
 _KEYED_PREFIX = 12  # magic, version, algo, payload_len: what the mac covers of the header
 _PERSON = b"ucm_patch.kv.v1"  # blake2b personalisation: tags are useless in other contexts
@@ -104,12 +114,16 @@ def checksum(
 ) -> int:
     """The 32-bit checksum of ``algo`` over the header prefix, the key and the payload."""
     if algo == ALGO_XXH3:
+        if _xxh3_64_int is None:
+            raise CorruptValue("XXH3 frame but the xxhash package is not installed")
+        return _xxh3_64_int(payload, _xxh3_64_int(bytes(prefix) + key)) & _LOW32
+    if algo == ALGO_XXH3_STREAM:
         if _xxh3_64 is None:
             raise CorruptValue("XXH3 frame but the xxhash package is not installed")
         h = _xxh3_64(prefix)
         h.update(key)
         h.update(payload)
-        return h.intdigest() & 0xFFFFFFFF
+        return h.intdigest() & _LOW32
     return zlib.crc32(payload, zlib.crc32(key, zlib.crc32(prefix)))
 
 
@@ -159,14 +173,25 @@ def _mac(
     return h.digest()
 
 
+def _unkeyed_prefix(n: int) -> bytes:
+    """The checksummed 16 header bytes of an unkeyed frame of ``n`` payload bytes, kept
+    for the first 64 sizes seen (a store sees a few)."""
+    prefix = _HEADER.pack(MAGIC, VERSION, WRITE_ALGO, 0, n, 0)[:_PREFIX]
+    if len(_prefixes) < 64:
+        _prefixes[n] = prefix
+    return prefix
+
+
 def make_header(key: bytes, payload: memoryview, secret: bytes | None = None) -> bytes:
     """The 20-byte frame header for ``payload`` stored under ``key`` (keyed if ``secret``)."""
     if secret is not None:
         prefix = _KEYED.pack(MAGIC, VERSION, ALGO_KEYED, len(payload).to_bytes(6, "little"), b"")
         prefix = prefix[:_KEYED_PREFIX]
         return prefix + _mac(secret, key, prefix, payload)
-    prefix = _HEADER.pack(MAGIC, VERSION, WRITE_ALGO, 0, len(payload), 0)[:_PREFIX]
-    return prefix + struct.pack("<I", checksum(key, prefix, payload, WRITE_ALGO))
+    prefix = _prefixes.get(len(payload)) or _unkeyed_prefix(len(payload))
+    if _xxh3_64_int is not None:  # algo 4, inlined: a put calls this once per value
+        return prefix + _U32.pack(_xxh3_64_int(payload, _xxh3_64_int(prefix + key)) & _LOW32)
+    return prefix + _U32.pack(checksum(key, prefix, payload, WRITE_ALGO))
 
 
 def payload_length(header: bytes | memoryview) -> int:
@@ -181,7 +206,7 @@ def payload_length(header: bytes | memoryview) -> int:
         raise CorruptValue(f"bad magic {bytes(magic)!r}")
     if version == VERSION and algo == ALGO_KEYED:
         return int.from_bytes(_KEYED.unpack_from(header)[3], "little")
-    if version != VERSION or algo not in (ALGO_CRC32, ALGO_XXH3):
+    if version != VERSION or algo not in _READ_ALGOS:
         raise CorruptValue(f"unsupported frame version={version} algo={algo}")
     return length
 
@@ -197,6 +222,17 @@ def verify(
     With ``secret`` only a keyed frame made with that secret passes; without it only a
     CRC frame does (a keyed value cannot be checked, so it is not served either).
     """
+    n = len(payload)
+    if (
+        secret is None
+        and _xxh3_64_int is not None
+        and header[:_PREFIX] == (_prefixes.get(n) or _unkeyed_prefix(n))
+    ):
+        # the common case, checked in two calls: magic, version, algo 4 and length are
+        # what this version writes for a payload of this size; only the checksum is left
+        seed = _xxh3_64_int(bytes(header[:_PREFIX]) + key)
+        if _U32.unpack_from(header, _PREFIX)[0] == _xxh3_64_int(payload, seed) & _LOW32:
+            return
     length = payload_length(header)
     if length != len(payload):
         raise CorruptValue(f"length mismatch: header says {length}, got {len(payload)} bytes")

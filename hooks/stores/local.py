@@ -140,16 +140,17 @@ class LocalStore(KVStore):
         except ValueError as exc:
             raise StoreError(f"local store: {exc}") from exc
         capacity = capacity_bytes or self._default_capacity()
+        frame = self._frame if self._secret is not None else make_header  # no hop per value
         self.disk = Tier(
             "disk", self.path, capacity, segment_bytes, mapped=False, fsync=fsync,
-            dir_mode=dir_mode, file_mode=file_mode, frame=self._frame,
+            dir_mode=dir_mode, file_mode=file_mode, frame=frame,
         )  # fmt: skip
         self.memory: Tier | None = None
         if memory_bytes:
             where = os.fspath(memory_path) if memory_path else default_memory_path(self.path)
             self.memory = Tier(
                 "memory", where, memory_bytes, segment_bytes, mapped=True,
-                dir_mode=dir_mode, file_mode=file_mode, spill=self._spill, frame=self._frame,
+                dir_mode=dir_mode, file_mode=file_mode, spill=self._spill, frame=frame,
             )  # fmt: skip
         self.tiers: tuple[Tier, ...] = (self.memory, self.disk) if self.memory else (self.disk,)
         self.capacity_bytes = self.disk.capacity_bytes
@@ -197,34 +198,37 @@ class LocalStore(KVStore):
     def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]]) -> list[bool]:
         """Store values (first value per key wins); False when larger than a segment."""
         self._check_open()
-        prepared: list[tuple[bytes, bytes, memoryview]] = []
-        first: dict[bytes, int] = {}
-        where: list[int] = []
+        records: list[Record] = []
         for key, value in items:
             kb = key_bytes(key)
-            d = digest_of(kb)
-            if d not in first:
-                first[d] = len(prepared)
-                prepared.append((d, kb, as_bytes_view(value)))
-            where.append(first[d])
+            view = value if type(value) is memoryview else memoryview(value)
+            if view.format != "B" or view.ndim != 1:
+                view = as_bytes_view(view)
+            records.append((xxh3_128_digest(kb), kb, view))
+        unique = len({r[0] for r in records}) == len(records)
+        first: dict[bytes, int] = {}
+        if not unique:  # a key twice in one put: its first value is the one stored
+            for i, record in enumerate(records):
+                first.setdefault(record[0], i)
+            records = [records[i] for i in sorted(set(first.values()))]
         try:
-            stored = self._put(prepared)
+            stored = self._put(records)
         except StoreError:
             self._bump(errors=1)
             raise
         finally:
             self._sync_counters()
-        out = [stored[i] for i in where]
-        self._bump(puts=len(items), skipped_full=out.count(False))
-        return out
+        written = sum([len(r[2]) for r, ok in zip(records, stored, strict=True) if ok])
+        if not unique:
+            at = {r[0]: ok for r, ok in zip(records, stored, strict=True)}
+            stored = [at[xxh3_128_digest(key_bytes(k))] for k, _v in items]
+        self._bump(puts=len(items), skipped_full=stored.count(False), bytes_written=written)
+        return stored
 
-    def _put(self, prepared: list[tuple[bytes, bytes, memoryview]]) -> list[bool]:
+    def _put(self, records: list[Record]) -> list[bool]:
         """Write into the first tier. A key already there is written again and then left
         as it was by the index (the first value wins): no lookup before every put, as a
         dump of a key already stored is rare (the scheduler dumps what a lookup missed)."""
-        todo = list(range(len(prepared)))
-        stored = [True] * len(prepared)
-        records: list[Record] = prepared
         try:
             done = self.tiers[0].put(records)
             if self.memory is not None and not all(done):  # every memory segment is busy
@@ -233,12 +237,7 @@ class LocalStore(KVStore):
                     done[i] = ok
         except (OSError, SegmentLost) as exc:
             raise StoreError(f"local store {self.path!r}: {exc}") from exc
-        written = 0
-        for i, ok, (_d, _h, payload) in zip(todo, done, records, strict=True):
-            stored[i] = ok
-            written += len(payload) if ok else 0
-        self._bump(bytes_written=written)
-        return stored
+        return done
 
     def _spill(self, records: list[Record]) -> None:
         """The memory tier's values leaving it go to the disk tier (first value wins)."""
@@ -306,13 +305,16 @@ class LocalStore(KVStore):
                     elif into is None or loc.size - HEADER_SIZE == len(into[i]):
                         corrupt += self._corrupt(tier, digests[i], loc, keys[i])
                 current = tier.index.current([loc for _i, loc, _v in got])
+                used: set[int] = set()
                 for (i, loc, value), ok in zip(got, current, strict=True):
                     if ok:  # else the segment was emptied while we read: a miss
                         out[i] = value
-                        tier.touch(loc.seg)
+                        used.add(loc.seg)
                         nbytes += loc.size - HEADER_SIZE
                         hits += 1
                         memory_hits += tier is self.memory
+                for seg in used:
+                    tier.touch(seg)
                 todo = [i for i in todo if out[i] is None]
         except (OSError, SegmentLost) as exc:
             self._bump(errors=1)

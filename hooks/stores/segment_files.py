@@ -230,6 +230,11 @@ class MappedSegments(FileSegments):
     def __init__(self, dir_fd: int, path: str, segment_bytes: int, file_mode: int) -> None:
         super().__init__(dir_fd, path, segment_bytes, file_mode)
         self._maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
+        self._seen: dict[int, tuple[memoryview, int]] = {}  # this batch: view, size checked
+
+    def new_batch(self) -> None:
+        super().new_batch()
+        self._seen = {}
 
     def _opened(self, seg: int, fd: int, create: bool) -> tuple[mmap.mmap, memoryview]:
         writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
@@ -264,6 +269,9 @@ class MappedSegments(FileSegments):
     def _view(self, seg: int, end: int, create: bool = False) -> memoryview:
         """The segment's mapping, once its file is known to reach ``end``: a file truncated
         behind the store would raise SIGBUS where the copy reads past its end."""
+        seen = self._seen.get(seg)
+        if seen is not None and seen[1] >= end:  # checked in this batch: no call per value
+            return seen[0]
         fd, st = self.live_fd(seg, create)
         if st.st_size < end:  # grown since it was checked (a write), or truncated
             st = os.fstat(fd)
@@ -273,6 +281,7 @@ class MappedSegments(FileSegments):
         found = self._maps.get(seg)
         if found is None:  # forgotten by another thread meanwhile (its file was replaced)
             raise SegmentLost(errno.ENOENT, "segment reopened meanwhile", self.where(seg))
+        self._seen[seg] = (found[1], st.st_size)
         return found[1]
 
     def mapping(self, seg: int, end: int, write: bool = False) -> memoryview:

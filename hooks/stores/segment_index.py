@@ -10,15 +10,16 @@ Four tables:
 
 * ``keys``: 16-byte key digest -> :data:`LOC` (segment, generation, offset, frame bytes);
 * ``segs``: segment number -> :data:`SEG` (generation, published end, owner pid);
-* ``held``: segment number -> the :data:`HELD` records published into it, so that
+* ``held``: (segment, offset of a published batch) -> the digests of that batch, so that
   emptying a segment finds its entries (to spill them, then delete them) without reading
-  the segment itself;
-* ``meta``: segment size and count, fixed for the directory.
+  the segment itself. One row per publish: a publish adds a row, it never rewrites the
+  segment's list;
+* ``meta``: segment size and count, fixed for the directory, and the index format.
 
 A segment's generation goes up each time it is emptied for reuse; a location whose
 generation is not its segment's current one is stale (a value evicted with its segment)
-and reads as missing, so stale entries need not be found and deleted at eviction time.
-The owner is the pid that appends to the segment (0: none); a segment owned by a dead pid
+and reads as missing, so a reader never needs the eviction's deletes to be done. The
+owner is the pid that appends to the segment (0: none); a segment owned by a dead pid
 is free to take (a writer killed mid-write leaves only its unpublished tail behind).
 """
 
@@ -43,10 +44,18 @@ log = logging.getLogger(__name__)
 
 LOC = struct.Struct("<IQQI")  # segment, generation, offset, frame bytes (header + payload)
 SEG = struct.Struct("<QQI")  # generation, published end, owner pid
-HELD = struct.Struct("<16sQI")  # digest, offset, frame bytes
+DIGEST = 16  # bytes of a key digest: ``held`` rows are digests end to end
 _META = struct.Struct("<QQ")  # segment bytes, segment count
 _SEG_KEY = struct.Struct(">I")  # big-endian: LMDB's byte order is the numeric order
+_HELD_KEY = struct.Struct(">IQ")  # segment, batch offset: a segment's rows are adjacent
+_SEG_GEN = struct.Struct("<IQ")  # the first 12 bytes of a LOC: which (segment, generation)
+FORMAT = b"2"  # ``held`` rows per publish; an index of another format starts empty
 MIN_MAP_BYTES = 1 << 20
+# Room for pages LMDB cannot reuse yet: a page freed by a write is reused only once every
+# reader that started before it is done, and a reader preempted in a busy host holds its
+# snapshot while other processes commit hundreds of transactions (4 writers on 2 cores
+# filled a 1 MiB index holding 40 entries).
+SPARE_MAP_BYTES = 8 << 20
 MAX_READERS = 4096
 _T = TypeVar("_T")
 
@@ -106,6 +115,20 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _spare_room(path: str) -> int:
+    """:data:`SPARE_MAP_BYTES`, or an eighth of a file system smaller than eight times that
+    (the index file is allocated in full, and must not take a small tmpfs for itself)."""
+    try:  # fstatvfs: the store's capacity check owns the one statvfs of its directory
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            vfs = os.fstatvfs(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        return MIN_MAP_BYTES
+    return min(SPARE_MAP_BYTES, vfs.f_blocks * vfs.f_frsize // 8) & ~4095
+
+
 class SegmentIndex:
     """LMDB tables of one tier directory (``<dir>/index``), shared by every process."""
 
@@ -113,7 +136,7 @@ class SegmentIndex:
         self, tier_path: str, dir_mode: int, file_mode: int, sync: bool, map_bytes: int
     ) -> None:
         self.path = os.path.join(tier_path, "index")
-        self.map_bytes = max(MIN_MAP_BYTES, map_bytes)
+        self.map_bytes = max(MIN_MAP_BYTES, map_bytes, _spare_room(tier_path))
         self.sync = sync
         self._dir_mode = dir_mode
         self._file_mode = file_mode
@@ -257,6 +280,10 @@ class SegmentIndex:
         process that started (one capacity per tier)."""
         self._check_fork()
         with self._env.begin(write=not self.read_only, db=self._meta) as txn:
+            if not self.read_only and txn.get(b"format") != FORMAT:
+                for db in (self._keys, self._segs, self._held):
+                    txn.drop(db, delete=False)  # a cache of another format: misses
+                txn.put(b"format", FORMAT)
             raw = txn.get(b"layout")
             previous = _META.unpack(raw) if raw is not None and len(raw) == _META.size else None
             if previous is not None:
@@ -311,13 +338,35 @@ class SegmentIndex:
         still point there."""
         self._check_fork()
         with self._env.begin() as txn:
-            raw = txn.get(_SEG_KEY.pack(seg), db=self._held) or b""
+            digests = self._members(txn, seg)
+            where = _SEG_GEN.pack(seg, gen)
             out = []
-            for digest, offset, size in HELD.iter_unpack(raw):
-                loc = txn.get(digest, db=self._keys)
-                if loc is not None and LOC.unpack(loc)[:2] == (seg, gen):
-                    out.append((digest, offset, size))
+            for digest, raw in txn.cursor(db=self._keys).getmulti(digests):
+                if raw[:12] == where:
+                    _seg, _gen, offset, size = LOC.unpack(raw)
+                    out.append((bytes(digest), offset, size))
         return out
+
+    def _members(self, txn: lmdb.Transaction, seg: int) -> list[bytes]:
+        """The digests published into ``seg`` (any generation since it was last emptied)."""
+        start = _SEG_KEY.pack(seg)
+        cursor = txn.cursor(db=self._held)
+        rows = []
+        if cursor.set_range(start):
+            for key, value in cursor:
+                if key[:4] != start:
+                    break
+                rows.append(value)
+        blob = b"".join(rows)
+        return [blob[i : i + DIGEST] for i in range(0, len(blob), DIGEST)]
+
+    def _drop_members(self, txn: lmdb.Transaction, seg: int) -> None:
+        start = _SEG_KEY.pack(seg)
+        cursor = txn.cursor(db=self._held)
+        if cursor.set_range(start):
+            while cursor.key()[:4] == start:
+                if not cursor.delete():
+                    break
 
     @_guarded
     def entries(self) -> list[tuple[bytes, Loc]]:
@@ -364,8 +413,34 @@ class SegmentIndex:
             end = 0 if empty or row is None else row.end
             txn.put(key, SEG.pack(gen, end, owner))
             if empty:
-                txn.delete(key, db=self._held)
+                self._drop_members(txn, seg)
         return gen
+
+    @_guarded
+    def empty(self, seg: int, expect: SegRow, owner: int) -> tuple[int, int] | None:
+        """Start ``seg`` over for ``owner`` if its row is still ``expect``: generation + 1,
+        nothing published, and the entries that pointed into it deleted, all in one
+        transaction. (the new generation, entries deleted), or None when someone else
+        took it first."""
+        self._check_fork()
+        key = _SEG_KEY.pack(seg)
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(key, db=self._segs)
+            row = SegRow(*SEG.unpack(raw)) if raw is not None else None
+            if row != expect:
+                return None
+            gen = (row.gen if row else 0) + 1
+            txn.put(key, SEG.pack(gen, 0, owner), db=self._segs)
+            dropped = 0
+            if row is not None:
+                where = _SEG_GEN.pack(seg, row.gen)
+                keys = txn.cursor(db=self._keys)
+                stale = [d for d, v in keys.getmulti(self._members(txn, seg)) if v[:12] == where]
+                for digest in stale:  # (Cursor.delete takes no key: it deletes where it is)
+                    txn.delete(digest, db=self._keys)  # index space back; readers need not
+                dropped = len(stale)
+                self._drop_members(txn, seg)
+        return gen, dropped
 
     @_guarded
     def release(self, seg: int, gen: int, owner: int) -> None:
@@ -385,12 +460,14 @@ class SegmentIndex:
         seg: int,
         gen: int,
         owner: int,
-        entries: Sequence[tuple[bytes, int, int]],
+        locs: Sequence[tuple[bytes, bytes]],
+        start: int,
         end: int,
         release: bool = False,
     ) -> bool:
-        """Make ``entries`` (digest, offset, frame bytes) of (seg, gen) visible at once,
-        and with ``release`` give the segment up in the same transaction.
+        """Make ``locs`` (digest, :data:`LOC` packed) of one batch written at ``start`` in
+        (seg, gen) visible at once, and with ``release`` give the segment up in the same
+        transaction.
 
         A digest that already has a current entry keeps it (the first value wins). False,
         publishing nothing, when the segment is no longer this owner's (taken as dead)."""
@@ -403,26 +480,30 @@ class SegmentIndex:
             row = SegRow(*SEG.unpack(raw))
             if row.gen != gen or row.owner != owner:
                 return False
-            gens: dict[int, int] = {seg: gen}
-            items = [(d, LOC.pack(seg, gen, off, size)) for d, off, size in entries]
-            added = txn.cursor(db=self._keys).putmulti(items, overwrite=False)[1]
-            if added < len(items):  # some were there: kept if current (the first wins)
-                for digest, loc in items:
-                    old = txn.get(digest, db=self._keys)
-                    if old == loc:
-                        continue
-                    oseg, ogen = LOC.unpack(old)[:2]
-                    cur = gens.get(oseg)
-                    if cur is None:
-                        orow = txn.get(_SEG_KEY.pack(oseg), db=self._segs)
-                        cur = gens[oseg] = SEG.unpack(orow)[0] if orow is not None else -1
-                    if cur != ogen:
-                        txn.put(digest, loc, db=self._keys)  # a stale entry: replaced
-            held = txn.get(key, db=self._held) or b""
-            held += b"".join(HELD.pack(d, off, size) for d, off, size in entries)
+            keys = txn.cursor(db=self._keys)
+            if keys.putmulti(locs, overwrite=False)[1] < len(locs):
+                self._replace_stale(txn, keys, locs)
+            txn.put(_HELD_KEY.pack(seg, start), b"".join([d for d, _loc in locs]), db=self._held)
             txn.put(key, SEG.pack(gen, max(end, row.end), 0 if release else owner), db=self._segs)
-            txn.put(key, held, db=self._held)
         return True
+
+    def _replace_stale(
+        self, txn: lmdb.Transaction, keys: lmdb.Cursor, locs: Sequence[tuple[bytes, bytes]]
+    ) -> None:
+        """Some digests of a publish had entries: an entry into an emptied segment is stale
+        and replaced, a current one stays (the first value wins)."""
+        gens: dict[int, int] = {}
+        for digest, loc in locs:
+            old = keys.get(digest)
+            if old == loc:
+                continue
+            oseg, ogen = _SEG_GEN.unpack_from(old)
+            cur = gens.get(oseg)
+            if cur is None:
+                orow = txn.get(_SEG_KEY.pack(oseg), db=self._segs)
+                cur = gens[oseg] = SEG.unpack(orow)[0] if orow is not None else -1
+            if cur != ogen:
+                keys.put(digest, loc)
 
     @_guarded
     def drop(self, digest: bytes, loc: Loc) -> None:
@@ -432,17 +513,6 @@ class SegmentIndex:
             raw = txn.get(digest)
             if raw is not None and Loc(*LOC.unpack(raw)) == loc:
                 txn.delete(digest)
-
-    @_guarded
-    def purge(self, seg: int, gen: int, digests: Sequence[bytes]) -> None:
-        """Delete the entries of ``digests`` that point into (seg, gen): they are stale and
-        only cost index space."""
-        self._check_fork()
-        with self._env.begin(write=True, db=self._keys) as txn:
-            cursor = txn.cursor()
-            for d in digests:
-                if cursor.set_key(d) and LOC.unpack(cursor.value())[:2] == (seg, gen):
-                    cursor.delete()
 
     @_guarded
     def remove(self, digests: Sequence[bytes]) -> int:
@@ -498,4 +568,4 @@ def _release_env(path: str) -> None:
         pass
 
 
-__all__ = ["HELD", "LOC", "SEG", "Loc", "SegRow", "SegmentIndex", "pid_alive"]
+__all__ = ["LOC", "SEG", "Loc", "SegRow", "SegmentIndex", "pid_alive"]

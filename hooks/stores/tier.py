@@ -38,7 +38,7 @@ from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.framing import HEADER_SIZE, CorruptValue, make_header
 from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments
-from ucm_patch.hooks.stores.segment_index import Loc, SegmentIndex, SegRow, pid_alive
+from ucm_patch.hooks.stores.segment_index import LOC, Loc, SegmentIndex, SegRow, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,8 @@ class Tier:
         """Append ``records`` (digest, key bytes, payload), or with ``framed`` (digest,
         frame header, payload); True per record stored (or already present), False where
         it is larger than a segment or every segment is being written by live processes."""
-        out = [record_bytes(len(p)) <= self.segment_bytes for _d, _h, p in records]
+        limit = self.segment_bytes - RECORD_HEADER
+        out = [len(p) <= limit for _d, _h, p in records]
         pending = [i for i, fits in enumerate(out) if fits]
         lease: Lease | None = None
         relieved = False
@@ -208,60 +209,61 @@ class Tier:
             if lease is None:
                 return None, 0
         self.files.new_batch()
-        end, entries = lease.end, []
+        seg, gen, room = lease.seg, lease.gen, self.segment_bytes
+        end = lease.end
+        batch: list[Record] = []
+        locs: list[tuple[bytes, bytes]] = []
+        pack = LOC.pack
         for i in pending:
-            n = len(records[i][2])
-            if end + record_bytes(n) > self.segment_bytes:
+            record = records[i]
+            n = len(record[2])
+            size = (RECORD_HEADER + n + 63) & ~63
+            if end + size > room:
                 break
-            entries.append((records[i][0], end, HEADER_SIZE + n))
-            end += record_bytes(n)
-        batch = [records[i] for i in pending[: len(entries)]]
+            batch.append(record)
+            locs.append((record[0], pack(seg, gen, end, HEADER_SIZE + n)))
+            end += size
         try:
             try:
-                self._write(lease, batch, entries, end, framed)
+                self._write(lease, batch, end, framed)
             except OSError as exc:
-                self.files.cut(lease.seg, lease.end)  # a partly written batch: space back
-                where = self.files.where(lease.seg)
+                self.files.cut(seg, lease.end)  # a partly written batch: space back
+                where = self.files.where(seg)
                 raise StoreError(f"{self.name} tier: cannot write {where!r}: {exc}") from exc
-            last = len(entries) == len(pending)  # the put's last batch: released with it
-            if not self.index.publish(lease.seg, lease.gen, os.getpid(), entries, end, last):
-                raise StoreError(f"{self.name} tier: lost segment {lease.seg} mid-write")
+            last = len(batch) == len(pending)  # the put's last batch: released with it
+            if not self.index.publish(seg, gen, os.getpid(), locs, lease.end, end, last):
+                raise StoreError(f"{self.name} tier: lost segment {seg} mid-write")
             self.index.flush()
         except BaseException:
             self._seal_quietly(lease)
             raise
         lease.end = end
-        self.touch(lease.seg)
+        self.touch(seg)
         if last:
-            self._last = Lease(lease.seg, lease.gen, end)
-            return None, len(entries)
-        return lease, len(entries)
+            self._last = Lease(seg, gen, end)
+            return None, len(batch)
+        return lease, len(batch)
 
-    def _write(
-        self,
-        lease: Lease,
-        batch: list[Record],
-        entries: list[tuple[bytes, int, int]],
-        end: int,
-        framed: bool,
-    ) -> None:
-        """Write ``batch`` at ``entries``' offsets. A mapped segment gets each payload copied
+    def _write(self, lease: Lease, batch: list[Record], end: int, framed: bool) -> None:
+        """Write ``batch`` from ``lease.end`` on. A mapped segment gets each payload copied
         once and its frame computed on the copy (hot in the cache: the checksum costs no
         second trip to memory); a file segment gets one ``pwritev`` of the batch."""
         view = self.files.mapping(lease.seg, end, write=True)
+        off = lease.end
         if view is not None:
-            for (digest, key, payload), (_d, off, size) in zip(batch, entries, strict=True):
+            frame = self.frame
+            for digest, key, payload in batch:
                 at = off + RECORD_HEADER
-                stop = off + FRAME_AT + size
+                stop = at + len(payload)
                 view[at:stop] = payload
-                header = key if framed else self.frame(key, view[at:stop])
-                view[off:at] = digest + _PAD + header
+                view[off:at] = digest + _PAD + (key if framed else frame(key, view[at:stop]))
+                off = (stop + 63) & ~63
             return
         parts: list[bytes | memoryview] = []
-        for (digest, key, payload), (_d, _off, size) in zip(batch, entries, strict=True):
+        for digest, key, payload in batch:
             header = key if framed else self.frame(key, payload)
             parts += (digest, _PAD, header, payload)
-            pad = record_bytes(size - HEADER_SIZE) - RECORD_HEADER - (size - HEADER_SIZE)
+            pad = -len(payload) & 63
             if pad:
                 parts.append(_ZEROS[:pad])
         self.files.write(lease.seg, lease.end, parts)
@@ -331,41 +333,44 @@ class Tier:
         over (and remove its file when ``remove``): the new generation, owned by this
         process (released again when ``remove``), or None when another process took it."""
         me = os.getpid()
-        if row.end and self.index.claim(seg, row, me, empty=False) is None:
+        if row.end and self.spill is not None:
+            # held while its values are copied out, so that no writer appends meanwhile
+            if self.index.claim(seg, row, me, empty=False) is None:
+                return None
+            row = SegRow(row.gen, row.end, me)
+            alive = self.index.held(seg, row.gen)
+            if alive:
+                self._spill(seg, alive)
+        emptied = self.index.empty(seg, row, me)
+        if emptied is None:
             return None
-        held = SegRow(row.gen, row.end, me) if row.end else row
-        alive = self.index.held(seg, row.gen) if row.end else []
-        if alive:
-            self._spill(seg, alive)
-        gen = self.index.claim(seg, held, me, empty=True)
-        if gen is None:
-            return None
-        if alive:
-            self.index.purge(seg, row.gen, [d for d, _off, _size in alive])
+        gen, dropped = emptied
+        if self.spill is None and dropped:
+            with self._lock:
+                self.evictions += dropped
         if remove:
             self.index.release(seg, gen, me)
             self.files.remove(seg)
         return gen
 
     def _spill(self, seg: int, live: list[tuple[bytes, int, int]]) -> None:
-        """Hand the live values to ``spill`` (or count them evicted)."""
-        n = len(live)
-        if self.spill is not None:
-            try:
-                batch: list[Record] = []
-                for digest, off, size in live:
-                    frame = memoryview(self.files.read(seg, off + FRAME_AT, size))
-                    batch.append((digest, bytes(frame[:HEADER_SIZE]), frame[HEADER_SIZE:]))
-                self.spill(batch)
-                with self._lock:
-                    self.spilled += n
-                return
-            except (StoreError, CorruptValue, OSError) as exc:
-                self._warn.warning(
-                    "spill", "%s tier: spilling segment %d failed: %s", self.name, seg, exc
-                )
+        """Hand the live values to ``spill`` (counted evicted when that fails)."""
+        assert self.spill is not None
+        try:
+            batch: list[Record] = []
+            for digest, off, size in live:
+                frame = memoryview(self.files.read(seg, off + FRAME_AT, size))
+                batch.append((digest, bytes(frame[:HEADER_SIZE]), frame[HEADER_SIZE:]))
+            self.spill(batch)
+            with self._lock:
+                self.spilled += len(live)
+            return
+        except (StoreError, CorruptValue, OSError) as exc:
+            self._warn.warning(
+                "spill", "%s tier: spilling segment %d failed: %s", self.name, seg, exc
+            )
         with self._lock:
-            self.evictions += n
+            self.evictions += len(live)
 
     def _relieve(self, need: int, exc: OSError) -> None:
         """ENOSPC: empty least recently used segments and remove their files until ``need``

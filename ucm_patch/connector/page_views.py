@@ -82,6 +82,17 @@ class PageView:
         """Pages ``idx`` (already bounds-checked) as a contiguous ``[n, page_bytes]``."""
         return self.view.index_select(0, idx).reshape(idx.numel(), self.page_bytes)
 
+    def gather_into(self, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy pages ``idx`` (already bounds-checked) into ``out``, a contiguous host
+        ``[n, page_bytes]`` tensor: on CPU one copy, straight from the KV cache into
+        ``out``; on a device, gathered there, then one copy to the host (in the caller's
+        stream)."""
+        shaped = out.view(idx.numel(), *self.view.shape[1:])
+        if self.view.device.type == "cpu":
+            torch.index_select(self.view, 0, idx, out=shaped)
+        else:
+            shaped.copy_(self.view.index_select(0, idx), non_blocking=True)
+
     def scatter(self, idx: torch.Tensor, pages: torch.Tensor) -> None:
         """Write ``pages`` (``[n, page_bytes]`` on the view's device) into blocks ``idx``."""
         self.view.index_copy_(0, idx, pages.reshape(idx.numel(), *self.view.shape[1:]))

@@ -64,6 +64,7 @@ from ucm_patch.connector.page_views import (
     raw_view,
 )
 from ucm_patch.connector.rows import RowLoader
+from ucm_patch.connector.staging import StagedPages, StagingBuffers
 from ucm_patch.hooks.dump import Batch, DumpScheduler, get_scheduler
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import KVStore, StoreError
@@ -77,17 +78,26 @@ _LoadJob = tuple[str, str, tuple[int, ...]]
 _RowPlan = tuple[list[str], Callable[[Any], list[memoryview]]]
 
 
-def copy_pages(view: PageView, idx: torch.Tensor, _task: Any = None) -> list[memoryview]:
+def copy_pages(
+    view: PageView, idx: torch.Tensor, staging: StagingBuffers, _task: Any = None
+) -> StagedPages:
     """Host copies of the pages ``idx`` (bounds-checked by the caller) of a row view, one
-    memoryview per page.
+    memoryview per page, in a buffer lent by ``staging`` (given back by the dump scheduler
+    once the store has copied them: :meth:`StagedPages.release`).
 
     ``_task``: the dump task when called as a DumpScheduler payload (unused).
     """
-    data = view.gather(idx)
-    if data.device.type != "cpu":
-        data = data.cpu()
-    arr = data.numpy()
-    return [memoryview(arr[i]) for i in range(arr.shape[0])]
+    n, page = idx.numel(), view.page_bytes
+    buf = staging.take(n * page)
+    try:
+        rows = buf[: n * page].view(n, page)
+        with staging.on_stream():
+            view.gather_into(idx, rows)
+        arr = rows.numpy()
+    except BaseException:
+        staging.give(buf)
+        raise
+    return StagedPages([memoryview(arr[i]) for i in range(n)], staging, buf)
 
 
 class WorkerSide:
@@ -123,6 +133,8 @@ class WorkerSide:
         self.dumps = self.sched.client(f"worker-{rank}")
         n = len(layout.rows)
         self.views: list[PageView | None] = [None] * n
+        #: host buffers of dumps and loads (pinned on an accelerator): register_kv_caches
+        self.staging = StagingBuffers(torch.device("cpu"))
         # Bound once for the save hook (once per layer per step).
         self._save_row_of = layout.rows.save_row_of
         if config.dump_exit_flush_s is not None:
@@ -191,6 +203,8 @@ class WorkerSide:
                 raise UnknownKVLayout(f"layer {layer!r}: no attention or mamba KV-cache spec")
             self.views[row.index] = view
             logger.debug("ucm connector: row %d (%s): %s", row.index, layer, view.layout)
+            if view.view.device != self.staging.device:
+                self.staging = StagingBuffers(view.view.device)
 
     # ---------------------------------------------------------------------------------
     # Per step
@@ -236,7 +250,7 @@ class WorkerSide:
                     continue
             idx = torch.tensor(ids, dtype=torch.long, device=view.view.device)
             # Built once per step: the per-layer submit allocates nothing.
-            self._row_plans[r] = (keys, partial(copy_pages, view, idx))
+            self._row_plans[r] = (keys, partial(copy_pages, view, idx, self.staging))
             pages += len(keys)
         stats.bump("dump_pages", pages)
         if md.pinned:
@@ -305,7 +319,13 @@ class WorkerSide:
         if not self._pinned:
             # Nothing holds the blocks after this step: copy now, store asynchronously.
             stats.bump("dump_pages_eager", len(keys))
-            sched.submit(batch, row, keys, produce(None))
+            pages = produce(None)
+            queued = False
+            try:
+                queued = sched.submit(batch, row, keys, pages)
+            finally:
+                if not queued:  # skipped: the scheduler never runs it, so the buffer is ours
+                    pages.release()
         elif layer_name is None:
             event, owned, source = sched.events.record()
             sched.submit(batch, row, keys, produce, event, owned, source)
@@ -449,11 +469,20 @@ class WorkerSide:
         if view is None:
             raise RuntimeError("ucm connector: load before register_kv_caches")
         page = view.page_bytes
+        staging = self.staging
+        buf = staging.take(len(jobs) * page)
+        try:
+            return self._copy_into(row, view, jobs, buf[: len(jobs) * page].view(len(jobs), page))
+        finally:
+            staging.give(buf)
+
+    def _copy_into(
+        self, row: int, view: PageView, jobs: list[_LoadJob], host: torch.Tensor
+    ) -> set[str]:
+        # The store reads each page straight into its row of a reused host buffer (pinned
+        # on an accelerator; the local store: one copy from its segment), then one
+        # index_copy_ writes them into their blocks: on CPU, straight from that buffer.
         failed: set[str] = set()
-        # The store reads each page straight into its row of one uninitialised host buffer
-        # (the local store: preadv, no bytes per value), then one index_copy_ writes them
-        # into their blocks: a single copy from the page cache to the KV cache on CPU.
-        host = torch.empty((len(jobs), page), dtype=torch.uint8)
         rows = host.numpy()
         ok = self.store.get_many_into(
             [key for _rid, key, _dsts in jobs], [memoryview(rows[i]) for i in range(len(jobs))]
@@ -490,8 +519,9 @@ class WorkerSide:
         if dst:
             if src != list(range(len(jobs))):  # failed jobs, or a page for several blocks
                 host = host.index_select(0, torch.tensor(src, dtype=torch.long))
-            idx = torch.tensor(dst, dtype=torch.long, device=view.view.device)
-            view.scatter(idx, host.to(view.view.device))
+            with self.staging.on_stream():
+                idx = torch.tensor(dst, dtype=torch.long, device=view.view.device)
+                view.scatter(idx, host.to(view.view.device, non_blocking=True))
             stats.bump("loaded_pages", len(dst))
         return failed
 
@@ -589,6 +619,7 @@ class WorkerSide:
             "async_loads_queued": len(self._async_loads),
             "async_loads_running": len(self._async),
             "row_jobs": sum(len(jobs) for jobs in self._row_jobs),
+            "staging_lent": self.staging.lent,
         }
 
     def shutdown(self) -> bool:

@@ -1,0 +1,143 @@
+"""Dumps and loads copy through reused host buffers (issue #27, item 3).
+
+A dump used to gather into a new tensor and ``.cpu()`` it per batch, a load to read into
+a new host tensor per row: an allocation per batch, and on a GPU a pageable copy. Now the
+worker lends each dump and load a buffer of :class:`StagingBuffers` and takes it back once
+the store has copied it: after the first step nothing is allocated, however many steps
+run; on CPU the gather writes straight into the buffer; on an accelerator the buffers are
+pinned and the copies run on the connector's own stream.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.connector_harness import (  # store_fixture: the ``store`` fixture
+    ControlledLocalStore,
+    Req,
+    blocks,
+    new_req,
+    store_fixture,  # noqa: F401
+)
+from tests.support.connector_harness import sched_output as so
+from tests.test_connector_gpu_layouts import BS, LAYERS, NUM_BLOCKS, SHAPE, TOKENS, GpuHarness
+from tests.test_page_views import NHD, fill, vllm_attention_cache
+from ucm_patch import connector
+from ucm_patch.connector import staging as staging_mod
+from ucm_patch.connector.page_views import attention_view
+from ucm_patch.connector.staging import StagingBuffers
+
+STEPS = 6
+
+
+def test_steps_reuse_the_staging_buffers_and_give_every_one_back(
+    store: ControlledLocalStore,
+) -> None:
+    """Six requests dumped in six steps, then loaded by another worker: a handful of
+    buffers in all (one per size class and thread), none lent between steps, and every
+    page still arrives intact."""
+    a = GpuHarness("flash_attn", NHD)
+    for layer in LAYERS:
+        fill(a.caches[layer], hash(layer) % 1000)
+    ws = a.worker._worker_side
+    for step in range(STEPS):
+        tokens = [t + 7919 * step for t in TOKENS]
+        req = Req(f"r{step}", tokens, block_size=BS)
+        a.sched.get_num_new_matched_tokens(req, 0)
+        ids = [3 + step, 7 + step, 11 + step, 2]
+        a.sched.update_state_after_alloc(req, blocks(ids), 0)
+        md = a.step(so([new_req(f"r{step}", [ids], 0)], scheduled={f"r{step}": len(tokens)}))
+        assert [bid for _g, bid, _h in md.dumps[f"r{step}"]] == ids[:3]
+        assert connector.wait_for_dumps(30.0)
+        assert ws.internal_sizes()["staging_lent"] == 0
+    assert len(store) == STEPS * 3 * len(LAYERS)
+    dumped = ws.staging.allocated
+    assert 1 <= dumped <= 2, dumped  # not one per step and row (that was 12 allocations)
+
+    b = GpuHarness("flashinfer", NHD)
+    rb = b.worker._worker_side
+    for step in range(STEPS):
+        tokens = [t + 7919 * step for t in TOKENS]
+        req = Req(f"b{step}", [*tokens[: 3 * BS], 1, 2, 3], block_size=BS)
+        assert b.sched.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+        dst = [20 - step, 5 + step, 9 + step, 1]
+        b.sched.update_state_after_alloc(req, blocks(dst), 3 * BS)
+        b.step(so([new_req(f"b{step}", [dst], 3 * BS)], scheduled={f"b{step}": 3}))
+        for layer in LAYERS:
+            for src, d in zip([3 + step, 7 + step, 11 + step], dst, strict=False):
+                assert torch.equal(b.block(layer, d), a.block(layer, src)), (step, layer, src)
+        assert rb.internal_sizes()["staging_lent"] == 0
+    assert 1 <= rb.staging.allocated <= 2, rb.staging.allocated
+    assert b.worker.get_block_ids_with_load_errors() == set()
+
+
+def test_cpu_gather_writes_straight_into_the_lent_buffer() -> None:
+    """FlashAttention's K-outer cache (pages are strided across the K and V halves): the
+    gather fills the buffer it is given, in the stored order, and allocates no result."""
+    cache = vllm_attention_cache("flash_attn", NUM_BLOCKS, SHAPE, stride_order=NHD)
+    fill(cache, 5)
+    view = attention_view(cache, NUM_BLOCKS, SHAPE, LAYERS[0])
+    idx = torch.tensor([4, 0, 17], dtype=torch.long)
+    pool = StagingBuffers(torch.device("cpu"))
+    buf = pool.take(3 * view.page_bytes)
+    out = buf[: 3 * view.page_bytes].view(3, view.page_bytes)
+    before = out.data_ptr()
+    view.gather_into(idx, out)
+    assert out.data_ptr() == before
+    assert torch.equal(out, view.gather(idx))
+    pool.give(buf)
+    assert pool.take(view.page_bytes).data_ptr() == buf.data_ptr()  # the same one again
+    assert pool.allocated == 1 and not pool.pinned and pool.stream is None
+
+
+def test_accelerator_buffers_are_pinned_and_copies_wait_on_their_own_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a device (here a stand-in for ``torch.cuda``: no GPU in CI) the buffers are
+    requested page-locked, the copies run under the connector's stream, and the thread
+    waits for that stream only."""
+    calls: list[tuple[str, Any]] = []
+
+    class Stream:
+        def __init__(self, device: torch.device) -> None:
+            calls.append(("stream", device))
+
+        def synchronize(self) -> None:
+            calls.append(("synchronize", None))
+
+    class StreamContext:
+        def __init__(self, stream: Stream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            calls.append(("enter", self.stream))
+
+        def __exit__(self, *exc: object) -> None:
+            calls.append(("exit", self.stream))
+
+    real_empty = torch.empty
+
+    def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        calls.append(("pin_memory", pin_memory))
+        return real_empty(*args, **kwargs)
+
+    fake = SimpleNamespace(Stream=Stream, stream=StreamContext)
+    monkeypatch.setattr(torch, "cuda", fake)
+    monkeypatch.setattr(staging_mod.torch, "empty", empty)
+    pool = StagingBuffers(torch.device("cuda", 0))
+    assert pool.pinned and isinstance(pool.stream, Stream)
+    pool.give(pool.take(4096))
+    with pool.on_stream():
+        calls.append(("copy", None))
+    assert calls == [
+        ("stream", torch.device("cuda", 0)),
+        ("pin_memory", True),
+        ("enter", pool.stream),
+        ("copy", None),
+        ("exit", pool.stream),
+        ("synchronize", None),
+    ]

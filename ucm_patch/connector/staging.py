@@ -1,0 +1,121 @@
+"""Reused host buffers for the pages the worker copies between the KV cache and a store.
+
+Why: a dump gathered its pages into a new device tensor and copied that into a new
+pageable host tensor (``.cpu()``) for every batch, and a load read pages into a new host
+tensor. A pageable device-to-host copy is staged by the driver through its own pinned
+bounce buffer, synchronously, and a new host tensor per batch is an allocation (and page
+faults) per batch. Here:
+
+* **Host buffers are reused**: :class:`StagingBuffers` keeps the buffers it handed out
+  and gives them out again (by size class), so after warm-up nothing is allocated for a
+  dump or a load, whatever its number of pages.
+* **Pinned on an accelerator**: the buffers are page-locked (``pin_memory``), so the copy
+  to or from the device is one DMA the copy engine runs while the GPU computes.
+* **A dedicated copy stream**: gathers, copies and scatters run on the connector's own
+  stream (the dump thread has waited for the layer's KV-ready event first), not on the
+  stream the forward pass runs on, and the thread waits for that stream alone.
+* **On CPU the same path copies once**: the gather writes straight into the buffer
+  (``index_select(out=...)``), and a load scatters straight from it.
+
+A buffer is lent for one dump or load: :class:`StagedPages` is the list of page views a
+dump hands to ``KVStore.put_many``; the dump scheduler calls its :meth:`StagedPages.release`
+once the store has copied them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+MIN_BUFFER = 1 << 20  # smaller requests share the 1 MiB class
+KEEP_PER_CLASS = 4  # free buffers kept per size class (the dump and load threads' share)
+
+
+def _size_class(nbytes: int) -> int:
+    """The buffer size serving ``nbytes``: the next power of two, at least 1 MiB (a few
+    classes, so a buffer fits many batch sizes and is reused)."""
+    return max(MIN_BUFFER, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
+def copy_stream(device: torch.device) -> Any:
+    """The connector's own stream on ``device`` (``torch.cuda`` / ``torch.npu``), None on
+    CPU or when the backend has no streams."""
+    if device.type == "cpu":
+        return None
+    backend = getattr(torch, device.type, None)
+    make = getattr(backend, "Stream", None)
+    if make is None:
+        return None
+    return make(device)
+
+
+class StagingBuffers:
+    """Host buffers lent to dumps and loads, reused; pinned when the KV cache is on an
+    accelerator. Thread-safe: the dump and load threads share one instance."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type != "cpu"
+        self.stream = copy_stream(device)
+        self.allocated = 0  # buffers ever created: stays small when buffers are reused
+        self.lent = 0  # buffers out now
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()  # guards _free and the counters
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat ``uint8`` host buffer of at least ``nbytes`` (give it back with
+        :meth:`give`)."""
+        size = _size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            self.lent += 1
+            if free:
+                return free.pop()
+            self.allocated += 1
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Take ``buf`` back (kept for the next :meth:`take` of its size class)."""
+        with self._lock:
+            self.lent -= 1
+            free = self._free.setdefault(buf.numel(), [])
+            if len(free) < KEEP_PER_CLASS:
+                free.append(buf)
+
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[None]:
+        """Run the block's device work on the copy stream, then wait for that stream (not
+        for the forward pass's). No-op on CPU."""
+        stream = self.stream
+        if stream is None:
+            yield
+            return
+        backend = getattr(torch, self.device.type)
+        with backend.stream(stream):
+            yield
+        stream.synchronize()
+
+
+class StagedPages(list):  # type: ignore[type-arg]  (list[memoryview])
+    """One page view per key, into a buffer lent by :class:`StagingBuffers`; the store
+    copies them, then :meth:`release` gives the buffer back (once)."""
+
+    __slots__ = ("_buffer", "_staging")
+
+    def __init__(self, views: list[memoryview], staging: StagingBuffers, buffer: torch.Tensor):
+        super().__init__(views)
+        self._staging: StagingBuffers | None = staging
+        self._buffer = buffer
+
+    def release(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            self.clear()  # no view of the buffer outlives the loan
+            staging.give(self._buffer)
+
+
+__all__ = ["StagedPages", "StagingBuffers", "copy_stream"]
