@@ -310,7 +310,7 @@ def bench_mooncake_client(store: Any, values: list[bytes], batch: int, repeat: i
         put, get_into = [], []
         rounds = max(1, len(values) // n)
         for r in range(repeat):
-            keys = [[f"raw/{r}/{j}/{i}" for i in range(n)] for j in range(rounds)]
+            keys = [[f"raw/{size}/{r}/{j}/{i}" for i in range(n)] for j in range(rounds)]
 
             def do_put(keys: list[list[str]] = keys) -> None:
                 for chunk in keys:
@@ -337,7 +337,10 @@ def bench_store(
     arena = memoryview(bytearray(sum(len(v) for v in values)))
     for r in range(repeat):
         store = make(r)
-        rates = _round(store, [(f"bench/{r}/{i}", v) for i, v in enumerate(values)], batch, arena)
+        # keys name the size: the store outlives a size, and a key stored before keeps its
+        # first value (Mooncake answers "already exists")
+        tag = f"bench/{len(values[0])}/{r}"
+        rates = _round(store, [(f"{tag}/{i}", v) for i, v in enumerate(values)], batch, arena)
         for op, rate in rates.items():
             out[op].append(rate)
         if close:
