@@ -197,7 +197,8 @@ class Registry:
     def _is_newest(self, record: PatchRecord) -> bool:
         """Whether ``record`` is its patch's newest era (it alone may apply past its
         ceiling). Computed on first need only, i.e. when an installed version is past some
-        record's ceiling: it parses every record's range (about 2 ms of apply time)."""
+        record's ceiling: it parses every record's range, a sizeable share of the apply time
+        (docs/BENCHMARKS.md, section 1)."""
         newest = self._newest
         if newest is None:
             newest = self._newest = {}

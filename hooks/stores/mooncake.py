@@ -1,8 +1,8 @@
 """Mooncake Store client (distributed, in-memory) behind :class:`KVStore`.
 
 Why Mooncake: it is the KV-cache engine that real deployments share between vLLM instances;
-its zero-copy batch calls are its fastest path over TCP (reference figures: ≈0.7 GiB/s
-put, ≈1.7 GiB/s get on loopback; this store's own figures are in docs/BENCHMARKS.md).
+its zero-copy batch calls are its fastest path over TCP (docs/BENCHMARKS.md, section 5,
+measures them next to this store's own put and get).
 
 Design (measurements: docs/BENCHMARKS.md):
 

@@ -147,8 +147,8 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
                 can_dump=can_dump,
             )
             # The two per-layer calls go straight to the worker side: one Python frame
-            # less per layer per step each (a sizeable share of the 2 us per-layer save
-            # budget). The methods below remain the documented API.
+            # less per layer per step each (a sizeable share of the per-layer save-path
+            # budget, 2 us). The methods below remain the documented API.
             self.wait_for_layer_load = self._worker_side.wait_for_layer_load  # type: ignore[method-assign]
             self.save_kv_layer = self._worker_side.save_kv_layer  # type: ignore[method-assign]
         # Deltas since the last report, for vLLM's connector stats (connector/vllm_metrics.py):
