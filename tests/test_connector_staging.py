@@ -98,8 +98,9 @@ def test_accelerator_buffers_are_pinned_and_copies_wait_on_their_own_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On a device (here a stand-in for ``torch.cuda``: no GPU in CI) the buffers are
-    requested page-locked, the copies run under the connector's stream, and the thread
-    waits for that stream only."""
+    requested page-locked, the copies run under the connector's stream once it has waited
+    for the caller's current stream (the KV an eager dump reads was written there), and
+    the thread then waits for the copy stream only."""
     calls: list[tuple[str, Any]] = []
 
     class Stream:
@@ -108,6 +109,9 @@ def test_accelerator_buffers_are_pinned_and_copies_wait_on_their_own_stream(
 
         def synchronize(self) -> None:
             calls.append(("synchronize", None))
+
+        def wait_stream(self, other: str) -> None:
+            calls.append(("wait", other))
 
     class StreamContext:
         def __init__(self, stream: Stream) -> None:
@@ -125,7 +129,10 @@ def test_accelerator_buffers_are_pinned_and_copies_wait_on_their_own_stream(
         calls.append(("pin_memory", pin_memory))
         return real_empty(*args, **kwargs)
 
-    fake = SimpleNamespace(Stream=Stream, stream=StreamContext)
+    def current_stream(device: torch.device) -> str:
+        return f"current stream of {device}"
+
+    fake = SimpleNamespace(Stream=Stream, stream=StreamContext, current_stream=current_stream)
     monkeypatch.setattr(torch, "cuda", fake)
     monkeypatch.setattr(staging_mod.torch, "empty", empty)
     pool = StagingBuffers(torch.device("cuda", 0))
@@ -136,6 +143,7 @@ def test_accelerator_buffers_are_pinned_and_copies_wait_on_their_own_stream(
     assert calls == [
         ("stream", torch.device("cuda", 0)),
         ("pin_memory", True),
+        ("wait", "current stream of cuda:0"),  # after what the caller's stream queued
         ("enter", pool.stream),
         ("copy", None),
         ("exit", pool.stream),

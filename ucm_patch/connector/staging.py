@@ -88,13 +88,16 @@ class StagingBuffers:
 
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:
-        """Run the block's device work on the copy stream, then wait for that stream (not
-        for the forward pass's). No-op on CPU."""
+        """Run the block's device work on the copy stream, after everything already queued
+        on the calling thread's current stream (an eager dump's layer KV, a kernel still
+        reading a block a load overwrites), then wait for the copy stream alone. No-op on
+        CPU."""
         stream = self.stream
         if stream is None:
             yield
             return
         backend = getattr(torch, self.device.type)
+        stream.wait_stream(backend.current_stream(self.device))
         with backend.stream(stream):
             yield
         stream.synchronize()
