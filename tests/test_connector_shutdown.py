@@ -122,11 +122,28 @@ def _exit_child(tmp_path: Path, put_s: float, count: int, flush_s: float) -> dic
     }
 
 
-def test_exit_with_a_hung_store_waits_the_flush_bound_and_logs_the_loss(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def healthy_teardown_s(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """How long this machine's interpreter takes to exit after the flush, with nothing hung.
+
+    Teardown (torch's included) took 1.5 s here and 2.3 s on CI's machine: a fixed bound on
+    the whole exit measured the machine, so the hung child is compared with this one.
+    """
+    out = _exit_child(tmp_path_factory.mktemp("healthy"), put_s=0, count=0, flush_s=BOUND_S)
+    return float(out["exit_s"]) - float(out["flush_s"])  # type: ignore[arg-type]
+
+
+def test_exit_with_a_hung_store_waits_the_flush_bound_and_logs_the_loss(
+    tmp_path: Path, healthy_teardown_s: float
+) -> None:
     out = _exit_child(tmp_path, put_s=-1, count=3, flush_s=BOUND_S)
-    # the flush and the short join after it; then the whole exit, interpreter teardown too
+    # the flush and the short join after it, measured inside the child
     assert BOUND_S <= out["flush_s"] < BOUND_S + EXIT_JOIN_S + FLUSH_MARGIN_S, out
-    assert out["exit_s"] < BOUND_S + MARGIN_S, out
+    # after it, the thread stuck in the store does not hold the interpreter's exit: teardown
+    # takes what a healthy child's does (a non-daemon stuck thread would hang it until the
+    # 120 s timeout)
+    teardown_s = float(out["exit_s"]) - float(out["flush_s"])  # type: ignore[arg-type]
+    assert teardown_s < healthy_teardown_s + MARGIN_S, (out, healthy_teardown_s)
     lost = [line for line in str(out["stderr"]).splitlines() if "lost" in line]
     assert len(lost) == 1, out["stderr"]
     assert "3 dump(s) lost (1 still running, 2 cancelled)" in lost[0]
