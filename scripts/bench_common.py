@@ -229,6 +229,26 @@ def paired(base: Sequence[float], other: Sequence[float], rounds: int = 2000) ->
     }
 
 
+def memcpy_share(
+    ops: Mapping[str, Sequence[float]], op: str, ceiling: float | None
+) -> float | None:
+    """A store path's rate ``ops[op]`` as a share of memcpy.
+
+    Paired where the bench measured a memcpy right before each round of ``op``
+    (``ops["memcpy_" + op]``): the median of the per-round ratios. A shared host's memory
+    bandwidth drifts by a third within a minute, so a ratio of two medians taken a minute
+    apart measured the drift as much as the store. Otherwise the run's memcpy median
+    ``ceiling``.
+    """
+    rates = ops.get(op)
+    if not rates:
+        return None
+    pairs = ops.get(f"memcpy_{op}")
+    if pairs and len(pairs) == len(rates):
+        return statistics.median(r / m for r, m in zip(rates, pairs, strict=True))
+    return statistics.median(rates) / ceiling if ceiling else None
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown table (printed by the scripts and pasted into docs/BENCHMARKS.md)."""
 

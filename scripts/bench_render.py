@@ -295,10 +295,10 @@ def _median(xs: list[float] | None) -> float | None:
 
 
 def _share(res: dict[str, Any], name: str, op: str) -> float | None:
-    """A path's median as a share of the same run's memcpy."""
+    """A path's rate as a share of memcpy in the same run (paired per round where the
+    bench measured it so: ``bench_common.memcpy_share``)."""
     mem = _median(res["memcpy"]["memcpy into preallocated"])
-    v = _median(res.get(name, {}).get(op))
-    return None if v is None or not mem else v / mem
+    return bc.memcpy_share(res.get(name, {}), op, mem)
 
 
 def store_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
@@ -339,10 +339,11 @@ def store_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
                 rows.append((f"{what}, {label}", "report", f"{100 * got:.0f} %", "(information)"))
         mc, mcc = "mooncake (TCP loopback, node)", "mooncake client (ceiling)"
         for op, what in (("put", "put"), ("get_into", "get into buffers")):
-            got, ceiling = _share(res, mc, op), _share(res, mcc, op)
-            if got is not None and ceiling:
+            got, ceiling = _share(res, mc, op), _median(res.get(mcc, {}).get(op))
+            raw = _median(res.get(mc, {}).get(op))
+            if got is not None and raw is not None and ceiling:
                 rows.append((f"Mooncake {what} vs its own batch calls, {label}", "report",
-                             f"{100 * got / ceiling:.0f} % ({100 * got:.0f} % of memcpy)",
+                             f"{100 * raw / ceiling:.0f} % ({100 * got:.0f} % of memcpy)",
                              "(information)"))  # fmt: skip
     return rows
 
@@ -850,7 +851,9 @@ def section_stores(data: dict[str, Any]) -> list[str]:
             for put in [k for k in ops if k.startswith("put")]:
                 first = put == "put"
                 shares = " / ".join(
-                    f"{100 * statistics.median(ops[k]) / mem:.0f} %" if ops.get(k) else "-"
+                    f"{100 * share:.0f} %"
+                    if (share := bc.memcpy_share(ops, k, mem)) is not None
+                    else "-"
                     for k in ((put, "get_into") if first else (put,))
                 )
                 rows.append((

@@ -40,7 +40,8 @@ was chosen by measurement (``scripts/bench_stores.py`` prints the XXH3 rate next
 docs/BENCHMARKS.md): XXH3-64 (``xxhash``) runs several times faster than ``zlib.crc32``
 and faster than hardware CRC32C, and the checksum runs over every byte of every put and
 get. Algo 4 hashes the payload in one call seeded by the key's hash, so a put costs one
-C call per value beyond its copy; algo 3 and CRC32 values written before stay readable,
+C call per value beyond its copy (a value over :data:`PIECE`: one per piece, each hashed
+right after its copy, see :func:`copy_framed`; the digest is the same); algo 3 and CRC32 values written before stay readable,
 and without the ``xxhash`` package the store writes CRC32 (never fails). 32 bits of XXH3
 miss a random corruption with the same 2^-32 chance as a CRC32. python-xxhash holds the
 GIL while hashing; zlib releases it but is slower by more than the number of dump workers.
@@ -55,6 +56,7 @@ import os
 import stat
 import struct
 import zlib
+from collections.abc import Callable
 
 try:  # XXH3 (module docstring); CRC32 without the package
     from xxhash import xxh3_64 as _xxh3_64
@@ -84,6 +86,10 @@ _prefixes: dict[int, bytes] = {}  # payload length -> unkeyed header prefix (the
 _KEYED = struct.Struct("<4sBB6s8s")
 _KEYED_PREFIX = 12  # magic, version, algo, payload_len: what the mac covers of the header
 _PERSON = b"ucm_patch.kv.v1"  # blake2b personalisation: tags are useless in other contexts
+#: Payloads longer than this are copied and checksummed in pieces of this size
+#: (:func:`copy_framed`): a checksum over a whole 2 MiB copy reads it from memory again,
+#: while a 256 KiB piece hashed right after its copy is still in the cache.
+PIECE = 256 << 10
 
 
 class CorruptValue(ValueError):
@@ -182,16 +188,78 @@ def _unkeyed_prefix(n: int) -> bytes:
     return prefix
 
 
+def _keyed_prefix(n: int) -> bytes:
+    """The authenticated 12 header bytes of a keyed frame of ``n`` payload bytes."""
+    return _KEYED.pack(MAGIC, VERSION, ALGO_KEYED, n.to_bytes(6, "little"), b"")[:_KEYED_PREFIX]
+
+
 def make_header(key: bytes, payload: memoryview, secret: bytes | None = None) -> bytes:
     """The 20-byte frame header for ``payload`` stored under ``key`` (keyed if ``secret``)."""
     if secret is not None:
-        prefix = _KEYED.pack(MAGIC, VERSION, ALGO_KEYED, len(payload).to_bytes(6, "little"), b"")
-        prefix = prefix[:_KEYED_PREFIX]
+        prefix = _keyed_prefix(len(payload))
         return prefix + _mac(secret, key, prefix, payload)
     prefix = _prefixes.get(len(payload)) or _unkeyed_prefix(len(payload))
     if _xxh3_64_int is not None:  # algo 4, inlined: a put calls this once per value
         return prefix + _U32.pack(_xxh3_64_int(payload, _xxh3_64_int(prefix + key)) & _LOW32)
     return prefix + _U32.pack(checksum(key, prefix, payload, WRITE_ALGO))
+
+
+def copy_framed(key: bytes, dst: memoryview, src: memoryview, secret: bytes | None = None) -> bytes:
+    """Copy ``src`` into ``dst`` (as long) and return the frame header of the copy.
+
+    A payload longer than :data:`PIECE` is copied and checksummed piece by piece, each
+    piece hashed right after its copy, while it is still in the CPU cache; the streamed
+    digest is the one-call digest, so the header is :func:`make_header`'s."""
+    n = len(src)
+    if n <= PIECE:
+        dst[:] = src
+        return make_header(key, dst, secret)
+    if secret is not None:
+        prefix = _keyed_prefix(n)
+        mac = hashlib.blake2b(prefix, digest_size=8, key=secret, person=_PERSON)
+        mac.update(key)
+        _copy_hashing(dst, src, mac.update)
+        return prefix + mac.digest()
+    prefix = _prefixes.get(n) or _unkeyed_prefix(n)
+    if _xxh3_64 is None:
+        dst[:] = src
+        return make_header(key, dst)
+    h = _xxh3_64(seed=_xxh3_64_int(prefix + key))
+    _copy_hashing(dst, src, h.update)
+    return prefix + _U32.pack(h.intdigest() & _LOW32)
+
+
+def copy_verified(
+    key: bytes,
+    header: bytes | memoryview,
+    dst: memoryview,
+    src: memoryview,
+    secret: bytes | None = None,
+) -> None:
+    """Copy ``src`` into ``dst`` (as long) and :func:`verify` the copy against ``header``:
+    what a read into a caller's buffer does. Pieces as in :func:`copy_framed` for a value
+    this version writes; anything else is copied whole and takes :func:`verify`'s path."""
+    n = len(src)
+    if (
+        n > PIECE
+        and secret is None
+        and _xxh3_64 is not None
+        and header[:_PREFIX] == (_prefixes.get(n) or _unkeyed_prefix(n))
+    ):
+        h = _xxh3_64(seed=_xxh3_64_int(bytes(header[:_PREFIX]) + key))
+        _copy_hashing(dst, src, h.update)
+        if _U32.unpack_from(header, _PREFIX)[0] == h.intdigest() & _LOW32:
+            return
+    else:
+        dst[:] = src
+    verify(key, header, dst, secret)  # raises, naming the check that failed
+
+
+def _copy_hashing(dst: memoryview, src: memoryview, update: Callable[[memoryview], object]) -> None:
+    for at in range(0, len(src), PIECE):
+        piece = dst[at : at + PIECE]
+        piece[:] = src[at : at + PIECE]
+        update(piece)
 
 
 def payload_length(header: bytes | memoryview) -> int:

@@ -55,7 +55,6 @@ from ucm_patch.hooks.stores.framing import (
     as_bytes_view,
     key_bytes,
     load_store_key,
-    make_header,
     verify,
 )
 from ucm_patch.hooks.stores.segment_files import SegmentLost
@@ -140,17 +139,16 @@ class LocalStore(KVStore):
         except ValueError as exc:
             raise StoreError(f"local store: {exc}") from exc
         capacity = capacity_bytes or self._default_capacity()
-        frame = self._frame if self._secret is not None else make_header  # no hop per value
         self.disk = Tier(
             "disk", self.path, capacity, segment_bytes, mapped=False, fsync=fsync,
-            dir_mode=dir_mode, file_mode=file_mode, frame=frame,
+            dir_mode=dir_mode, file_mode=file_mode, secret=self._secret,
         )  # fmt: skip
         self.memory: Tier | None = None
         if memory_bytes:
             where = os.fspath(memory_path) if memory_path else default_memory_path(self.path)
             self.memory = Tier(
                 "memory", where, memory_bytes, segment_bytes, mapped=True,
-                dir_mode=dir_mode, file_mode=file_mode, spill=self._spill, frame=frame,
+                dir_mode=dir_mode, file_mode=file_mode, spill=self._spill, secret=self._secret,
             )  # fmt: skip
         self.tiers: tuple[Tier, ...] = (self.memory, self.disk) if self.memory else (self.disk,)
         self.capacity_bytes = self.disk.capacity_bytes
@@ -180,9 +178,6 @@ class LocalStore(KVStore):
                      "%d bytes already stored)", self.path, room, held)  # fmt: skip
             return max(room, 4096)
         return DEFAULT_CAPACITY
-
-    def _frame(self, kb: bytes, payload: memoryview) -> bytes:
-        return make_header(kb, payload, self._secret)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -336,7 +331,7 @@ class LocalStore(KVStore):
             if buf is not None:
                 if loc.size - HEADER_SIZE != len(buf):
                     return None
-                verify(kb, tier.read_into(loc, buf), buf, self._secret)
+                tier.read_verified(loc, kb, buf)
                 return b""
             head, payload = tier.read(loc)
             verify(kb, head, payload, self._secret)

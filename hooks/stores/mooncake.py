@@ -52,9 +52,9 @@ from ucm_patch.hooks.stores.framing import (
     HEADER_SIZE,
     CorruptValue,
     as_bytes_view,
+    copy_framed,
     key_bytes,
     load_store_key,
-    make_header,
     verify,
 )
 
@@ -363,9 +363,8 @@ class MooncakeStore(KVStore):
         ptrs, sizes, off = [], [], 0
         for _key, kb, payload in chunk:
             end = off + HEADER_SIZE + len(payload)
-            buf.view[off + HEADER_SIZE : end] = payload
             body = buf.view[off + HEADER_SIZE : end]
-            buf.view[off : off + HEADER_SIZE] = make_header(kb, body, self._secret)
+            buf.view[off : off + HEADER_SIZE] = copy_framed(kb, body, payload, self._secret)
             ptrs.append(buf.addr + off)
             sizes.append(end - off)
             off = end

@@ -36,7 +36,15 @@ from dataclasses import dataclass
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
-from ucm_patch.hooks.stores.framing import HEADER_SIZE, CorruptValue, make_header
+from ucm_patch.hooks.stores.framing import (
+    HEADER_SIZE,
+    PIECE,
+    CorruptValue,
+    copy_framed,
+    copy_verified,
+    make_header,
+    verify,
+)
 from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments
 from ucm_patch.hooks.stores.segment_index import LOC, Loc, SegmentIndex, SegRow, pid_alive
 
@@ -51,8 +59,6 @@ MIN_SEGMENTS = 4  # a smaller capacity gets smaller segments: eviction stays gra
 _TICK = struct.Struct("<Q")
 #: A value: its key digest, its key's bytes (or, spilled, its frame header) and payload.
 Record = tuple[bytes, bytes, memoryview]
-#: The frame header of a payload stored under a key (the store's integrity check).
-Frame = Callable[[bytes, memoryview], bytes]
 #: Takes the live values of a segment being emptied: (digest, frame header, payload).
 Spill = Callable[[list[Record]], None]
 
@@ -84,10 +90,10 @@ class Tier:
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         spill: Spill | None = None,
-        frame: Frame | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.name = name
-        self.frame: Frame = frame or (lambda key, payload: make_header(key, payload))
+        self.secret = secret  # the store key of keyed frames (framing.load_store_key)
         self.path = os.path.abspath(path)
         self.fsync = fsync
         self.spill = spill
@@ -247,21 +253,29 @@ class Tier:
     def _write(self, lease: Lease, batch: list[Record], end: int, framed: bool) -> None:
         """Write ``batch`` from ``lease.end`` on. A mapped segment gets each payload copied
         once and its frame computed on the copy (hot in the cache: the checksum costs no
-        second trip to memory); a file segment gets one ``pwritev`` of the batch."""
+        second trip to memory; a payload over ``PIECE`` piece by piece, so that it stays
+        so); a file segment gets one ``pwritev`` of the batch."""
         view = self.files.mapping(lease.seg, end, write=True)
         off = lease.end
+        secret = self.secret
         if view is not None:
-            frame = self.frame
             for digest, key, payload in batch:
                 at = off + RECORD_HEADER
                 stop = at + len(payload)
-                view[at:stop] = payload
-                view[off:at] = digest + _PAD + (key if framed else frame(key, view[at:stop]))
+                if framed:
+                    view[at:stop] = payload
+                    header = key
+                elif stop - at <= PIECE:  # copy_framed's first case, without its call
+                    view[at:stop] = payload
+                    header = make_header(key, view[at:stop], secret)
+                else:
+                    header = copy_framed(key, view[at:stop], payload, secret)
+                view[off:at] = digest + _PAD + header
                 off = (stop + 63) & ~63
             return
         parts: list[bytes | memoryview] = []
         for digest, key, payload in batch:
-            header = key if framed else self.frame(key, payload)
+            header = key if framed else make_header(key, payload, secret)
             parts += (digest, _PAD, header, payload)
             pad = -len(payload) & 63
             if pad:
@@ -408,17 +422,19 @@ class Tier:
         self.files.new_batch()
         return self.index.lookup(digests)
 
-    def read_into(self, loc: Loc, payload: memoryview) -> bytes | memoryview:
-        """Copy the payload at ``loc`` into ``payload``; its frame header (CorruptValue when
-        the file is short, SegmentLost when it is gone)."""
+    def read_verified(self, loc: Loc, key: bytes, payload: memoryview) -> None:
+        """Copy the payload at ``loc`` into ``payload`` and verify it there against its
+        frame for ``key`` (CorruptValue when it fails or the file is short, SegmentLost
+        when the file is gone). Mapped: checksummed piece by piece as it is copied."""
         at = loc.offset + RECORD_HEADER
         view = self.files.mapping(loc.seg, loc.offset + FRAME_AT + loc.size)
         if view is not None:
-            payload[:] = view[at : at + len(payload)]
-            return view[loc.offset + FRAME_AT : at]
+            src = view[at : at + len(payload)]
+            copy_verified(key, view[loc.offset + FRAME_AT : at], payload, src, self.secret)
+            return
         header = bytearray(HEADER_SIZE)
         self.files.read_into(loc.seg, loc.offset + FRAME_AT, [memoryview(header), payload])
-        return header
+        verify(key, header, payload, self.secret)
 
     def read(self, loc: Loc) -> tuple[bytes, bytes]:
         head = self.files.read(loc.seg, loc.offset + FRAME_AT, HEADER_SIZE)
@@ -442,4 +458,4 @@ class Tier:
         os.close(self._dir)
 
 
-__all__ = ["FRAME_AT", "RECORD_HEADER", "Frame", "Lease", "Record", "Tier", "record_bytes"]
+__all__ = ["FRAME_AT", "RECORD_HEADER", "Lease", "Record", "Tier", "record_bytes"]
