@@ -72,7 +72,7 @@ from packaging.requirements import Requirement  # noqa: E402
 from packaging.utils import canonicalize_name  # noqa: E402
 from packaging.version import InvalidVersion, Version  # noqa: E402
 
-from ucm_patch.verify import sections  # noqa: E402
+from tools.verify import sections  # noqa: E402
 
 # One release per era of the GDN patch (see the verify-matrix section of docs/PATCHES.md).
 VERSIONS = ("0.18.1", "0.22.1", "0.26.0", "0.29.0", "0.32.0")

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 from packaging.version import Version
 
-from ucm_patch.verify.source import registered_ops
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ is not installed
+from tools.verify.source import registered_ops
 
 FIRST, LAST = Version("0.22"), Version("0.34")
 

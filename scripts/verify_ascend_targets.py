@@ -2,7 +2,7 @@
 """Check every vLLM-Ascend patch record against the real vLLM-Ascend source of each version.
 
 The source is *read* with ``ast``, never imported (torch-npu cannot run here); the engine
-is :mod:`ucm_patch.verify.ascend`, this is its command line. Sources:
+is :mod:`tools.verify.ascend`, this is its command line. Sources:
 
 * PyPI releases (``--pypi 0.13.0`` or ``--pypi all``): downloaded with ``pip download
   --no-deps`` into ``.cache/vllm_ascend/dist`` (x86_64 cp311 wheels for 0.11.0 - 0.23.0; the
@@ -43,31 +43,34 @@ import argparse
 import sys
 from pathlib import Path
 
-from ucm_patch.verify import ascend as verify
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ is not installed
+from tools.verify import ascend as verify
+from tools.verify import ascend_report as report
+from tools.verify import ascend_sources as sources
 
 
 # -- command line ---------------------------------------------------------------------------
 def _sources(args: argparse.Namespace) -> list[tuple[Path, str, str]]:
     out: list[tuple[Path, str, str]] = []
-    pypi = list(verify.PYPI) if "all" in args.pypi else args.pypi
+    pypi = list(sources.PYPI) if "all" in args.pypi else args.pypi
     for version in pypi:
-        archive = verify.download(version)
-        out.append((verify.unpack(archive, version), version, f"pypi-{verify.PYPI[version]}"))
+        archive = sources.download(version)
+        out.append((sources.unpack(archive, version), version, f"pypi-{sources.PYPI[version]}"))
     if args.source:
         if not args.label:
-            raise verify.SourceError("--source needs --label (the version or tag it is)")
+            raise sources.SourceError("--source needs --label (the version or tag it is)")
         out.append((Path(args.source), args.label, "tag"))
     for tag in args.tag:
         if not args.git:
-            raise verify.SourceError("--tag needs --git (a local clone of vllm-ascend)")
-        out.append((verify.export_tag(Path(args.git), tag), tag, "tag"))
+            raise sources.SourceError("--tag needs --git (a local clone of vllm-ascend)")
+        out.append((sources.export_tag(Path(args.git), tag), tag, "tag"))
     if args.main:
         if not args.git:
-            raise verify.SourceError("--main needs --git (a local clone of vllm-ascend)")
+            raise sources.SourceError("--main needs --git (a local clone of vllm-ascend)")
         commit = args.main
         if len(commit) != 40:
-            raise verify.SourceError(f"--main {commit!r}: give the full 40-digit commit")
-        out.append((verify.export_tag(Path(args.git), commit), verify.main_label(commit), "main"))
+            raise sources.SourceError(f"--main {commit!r}: give the full 40-digit commit")
+        out.append((sources.export_tag(Path(args.git), commit), verify.main_label(commit), "main"))
     return out
 
 
@@ -79,16 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--git", help="a local git clone (or bare mirror) of vllm-ascend")
     p.add_argument("--tag", action="append", default=[], help="tag to export from --git")
     p.add_argument("--main", help="a main-branch commit of --git to verify (40 digits)")
-    p.add_argument("--write-data", action="store_true", help=f"store results in {verify.DATA.name}")
+    p.add_argument("--write-data", action="store_true", help=f"store results in {report.DATA.name}")
     p.add_argument("--write-docs", action="store_true", help="rewrite the docs matrix section")
     p.add_argument("--check", action="store_true", help="fail when results differ from the data")
     args = p.parse_args(argv)
     try:
         sources = _sources(args)
-    except verify.SourceError as exc:
+    except sources.SourceError as exc:
         print(f"verify_ascend_targets: {exc}", file=sys.stderr)
         return 2
-    data = verify.load_data()
+    data = report.load_data()
     status = 0
     for root, label, kind in sources:
         entry = verify.verify(root, label, kind)
@@ -100,15 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             stored = data["versions"].get(label)
             if stored != entry:
-                where = verify.DATA.relative_to(verify.REPO)
+                where = report.DATA.relative_to(report.REPO)
                 print(f"  differs from {where} (rerun with --write-data)")
                 status = 1
         if args.write_data:
             data["versions"][label] = entry
     if args.write_data:
-        verify.save_data(data)
+        report.save_data(data)
     if args.write_docs:
-        verify.write_docs(verify.load_data())
+        report.write_docs(report.load_data())
     return status
 
 

@@ -1,7 +1,7 @@
 """Check every vLLM patch record's target and signature against real vLLM sources.
 
 Sources are read with ``ast``, never imported, so one machine checks every release (the
-engine is :mod:`ucm_patch.verify.vllm`; this is its command line):
+engine is :mod:`tools.verify.vllm`; this is its command line):
 
 * ``--download``: ``pip download --no-deps`` the wheel of every supported version into
   ``.cache/wheels``, keep only ``vllm/**/*.py`` under ``.cache/vllm-src/<dist>-<ver>``
@@ -27,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from ucm_patch.verify import vllm as verify
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ is not installed
+from tools.verify import vllm as verify
 
 
 def main(argv: list[str] | None = None) -> int:

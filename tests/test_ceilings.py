@@ -3,7 +3,7 @@
 The ceiling rule (issue #16): a range ends at the first minor after the newest release the
 record was verified on, so a newer release finds the newest era ``untested-version``
 instead of wrapping code nobody has read. The newest verified releases are the ones the
-verification engines read (ucm_patch.verify.vllm / ascend), not numbers typed here.
+verification engines read (tools.verify.vllm / ascend), not numbers typed here.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import types
 import pytest
 from packaging.version import Version
 
+from tools.verify import ascend_report
+from tools.verify import vllm as verify_vllm
 from ucm_patch.expect import apply_time_params
 from ucm_patch.patches import all_patch_sets
 from ucm_patch.records import HOOKS
-from ucm_patch.verify import ascend as verify_ascend
-from ucm_patch.verify import vllm as verify_vllm
 
 RECORDS = [r for ps in all_patch_sets() for r in ps.records]
 
@@ -58,7 +58,7 @@ def test_the_newest_vllm_eras_reach_the_ceiling():
 def _newest_ascend() -> Version:
     """The newest vLLM-Ascend release verified from source (PyPI or git tag; a main-branch
     snapshot is not a release)."""
-    entries = verify_ascend.load_data()["versions"].values()
+    entries = ascend_report.load_data()["versions"].values()
     return max(Version(e["label"].lstrip("v")) for e in entries if e["kind"] != "main")
 
 

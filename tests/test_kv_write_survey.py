@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import load_script
+from tools.verify import vllm as verify_vllm
 from ucm_patch.patches.vllm import kv_ready_event
-from ucm_patch.verify import vllm as verify_vllm
 
 survey = load_script("survey_kv_writes")
 DATA = survey.load_data()

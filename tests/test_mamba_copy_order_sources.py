@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from ucm_patch.verify import ascend
+from tools.verify import ascend_sources
 
 
 def _verify() -> object:
-    return ascend
+    return ascend_sources
 
 
 def _calls(node: ast.AST, name: str) -> list[ast.Call]:

@@ -128,3 +128,25 @@ def test_every_package_is_installed():
     listed = set(cfg["options"]["packages"].split())
     packages = {name for name, (_, is_pkg) in MODULES.items() if is_pkg}
     assert packages == listed
+
+
+# What only development tooling needs: building venvs, unpacking release archives, pip.
+TOOLING = frozenset({"tools", "venv", "tarfile", "zipfile", "pip"})
+
+
+def test_the_installed_package_imports_no_tooling():
+    """Verification and docs tooling lives in ``tools/`` (not installed, issue #28): no
+    installed module imports it, or what only that tooling needs. Serving processes get
+    what serving needs."""
+    found = []
+    for name, (path, _is_pkg) in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                mods = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                mods = [node.module or ""]
+            else:
+                continue
+            found += [f"{name} imports {m}" for m in mods if m.split(".")[0] in TOOLING]
+    assert not found, found
+    assert not (REPO / "ucm_patch" / "verify").exists()

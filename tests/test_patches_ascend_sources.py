@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 from tests.conftest import REPO, clean_env
+from tools.verify import ascend as verify
+from tools.verify import ascend_report, ascend_sources
 from ucm_patch.expect import apply_time_params
-from ucm_patch.verify import ascend as verify
 
 RC_TAGS = ("v0.19.1rc1", "v0.20.2rc1", "v0.21.0rc1", "v0.22.1rc1")
 STANDIN_0_23 = REPO / "tests" / "standins" / "ascend_0_23"
@@ -38,13 +39,13 @@ def test_pypi_releases_reverified() -> None:
         timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for version, how in verify.PYPI.items():
+    for version, how in ascend_sources.PYPI.items():
         assert f"{version} (pypi-{how}): OK" in proc.stdout.splitlines(), proc.stdout
 
 
 def test_data_covers_pypi_in_ci_and_rc_tags_outside() -> None:
-    versions = verify.load_data()["versions"]
-    for version in verify.PYPI:
+    versions = ascend_report.load_data()["versions"]
+    for version in ascend_sources.PYPI:
         assert versions[version]["ci"] is True and versions[version]["kind"].startswith("pypi-")
     for tag in RC_TAGS:
         assert versions[tag]["ci"] is False and versions[tag]["kind"] == "tag"
@@ -57,7 +58,7 @@ def test_main_drift_is_caught_at_apply_time() -> None:
     """On a main-branch snapshot a record may fail its source checks (nobody released that
     code yet), but only where the installer's apply-time check sees the same change: the
     record then reports ``failed: signature changed`` instead of wrapping code it misreads."""
-    mains = {k: e for k, e in verify.load_data()["versions"].items() if verify.is_main(k)}
+    mains = {k: e for k, e in ascend_report.load_data()["versions"].items() if verify.is_main(k)}
     assert mains, "no main-branch snapshot verified (scripts/verify_ascend_targets.py --main)"
     by_id = {r.id: r for r in verify.RECORDS}
     for label, entry in mains.items():
@@ -76,13 +77,13 @@ def test_main_drift_is_caught_at_apply_time() -> None:
 
 
 def test_every_record_is_verified_against_some_release() -> None:
-    versions = verify.load_data()["versions"].values()
+    versions = ascend_report.load_data()["versions"].values()
     never = [r.id for r in verify.RECORDS if not any(e["results"][r.id] == "ok" for e in versions)]
     assert never == []
 
 
 def test_docs_matrix_is_current() -> None:
-    assert verify.doc_section() == verify.render_section(verify.load_data()), (
+    assert ascend_report.doc_section() == ascend_report.render_section(ascend_report.load_data()), (
         "docs/PATCHES.md ascend-matrix is stale: run "
         "python scripts/verify_ascend_targets.py --write-docs"
     )
@@ -126,13 +127,13 @@ def test_completeness_finds_new_upstream_bindings_and_copies(tmp_path: Path) -> 
 
 
 def test_download_failure_names_the_release_and_the_cache(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(verify, "CACHE", tmp_path)
+    monkeypatch.setattr(ascend_sources, "CACHE", tmp_path)
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens there
     monkeypatch.setenv("PIP_RETRIES", "0")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     try:
-        verify.download("0.13.0")
-    except verify.SourceError as exc:
+        ascend_sources.download("0.13.0")
+    except ascend_sources.SourceError as exc:
         text = str(exc)
     else:
         raise AssertionError("download() succeeded without an index")

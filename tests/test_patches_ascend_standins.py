@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from ucm_patch.verify import ascend as verify
+from tools.verify import ascend as verify
+from tools.verify import ascend_report
 
 STANDINS = REPO / "tests" / "standins"
 ERAS = sorted(p.name for p in STANDINS.glob("ascend_*") if p.is_dir())
@@ -47,7 +48,7 @@ def standin_version(root: Path) -> str:
 def drift(root: Path) -> list[str]:
     """Every difference between a stand-in tree and the real release it names."""
     version, scope = standin_of(root)
-    data = verify.load_data()["versions"]
+    data = ascend_report.load_data()["versions"]
     if version not in data:
         return [f"{root.name}: no verified facts for vllm-ascend {version}"]
     real: dict[str, Any] = data[version]["facts"]

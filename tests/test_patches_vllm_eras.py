@@ -24,9 +24,9 @@ import pytest
 import wrapt
 
 from tests.support.standin_connector import StandInConnector
+from tools.verify import vllm as verify_targets
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import PATCH_SETS, _vllm_compat, kv_ready_event
-from ucm_patch.verify import vllm as verify_targets
 
 REPO = Path(__file__).resolve().parent.parent
 

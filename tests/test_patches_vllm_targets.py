@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tools.verify import vllm as vt
 from ucm_patch.patches.vllm import PATCH_SETS
 from ucm_patch.records import Kind, PatchRecord
-from ucm_patch.verify import vllm as vt
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,7 +20,7 @@ from packaging.version import Version
 
 from tests.conftest import REPO
 from tests.support import load_script
-from ucm_patch.verify import sections
+from tools.verify import sections
 
 rm = load_script("runtime_matrix")
 

@@ -1,7 +1,7 @@
 """What a patch record relies on in its target library's source, as checkable data.
 
 Every record carries ``expect``: a tuple of :class:`Check`. The verification engine
-(:mod:`ucm_patch.verify`) reads a release's source with ``ast`` (never importing it) and
+(:mod:`tools.verify`) reads a release's source with ``ast`` (never importing it) and
 evaluates each check; the tests evaluate the same checks on the stand-in packages, so a
 stand-in cannot drift from the source it imitates. The wrappers take their argument
 positions from the very parameter tuples the checks verify (:func:`arg_index`), so "the
@@ -92,7 +92,7 @@ def leading_params(checks: tuple[Check, ...]) -> tuple[str, ...] | None:
 def apply_time_params(target: str, checks: tuple[Check, ...]) -> list[tuple[tuple[str, ...], bool]]:
     """What the live object at ``target`` must look like, as ``(params, exact)`` options.
 
-    The same source facts ``ucm_patch.verify`` checks, read for the object the wrapper will
+    The same source facts ``tools.verify`` checks, read for the object the wrapper will
     really receive: a ``leading`` check (a prefix of the target's parameters); a
     ``signature`` check on ``target`` itself; a ``signature`` check on a function that an
     ``assigned`` check copies onto ``target`` (vLLM-Ascend copying its GDN core onto vLLM's

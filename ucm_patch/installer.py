@@ -222,7 +222,7 @@ def live_params(original: Any) -> tuple[str, ...] | None:
 def check_signature(record: PatchRecord, original: Any) -> None:
     """Raise :class:`SignatureChanged` unless the live target has the parameters the
     record's wrapper reads (:func:`ucm_patch.expect.apply_time_params`: the same facts
-    ``ucm_patch.verify`` checks in source, read for the object really found here)."""
+    ``tools.verify`` checks in source, read for the object really found here)."""
     options = apply_time_params(record.target, record.expect)
     if not options:
         return

@@ -26,7 +26,7 @@ The doc fields feed docs/PATCHES.md (generated; a test fails when it is stale).
 
 A patch module states its eras as one table (:func:`table`): a row per record, the
 values all rows share given once. ``expect`` (:mod:`ucm_patch.expect`) says what each
-record relies on in its target's source; :mod:`ucm_patch.verify` checks it on every
+record relies on in its target's source; :mod:`tools.verify` checks it on every
 supported release.
 """
 
@@ -266,7 +266,7 @@ def _version_key(text: str) -> Any:
 def newest_eras(records: Iterable[PatchRecord]) -> set[str]:
     """Ids of the records whose ceilings are, per patch name, the highest for every
     distribution they require: the eras that may apply past their ceiling when the user
-    allows untested versions (and that ``ucm_patch.verify`` checks against a main branch)."""
+    allows untested versions (and that ``tools.verify`` checks against a main branch)."""
     records = list(records)
     top: dict[tuple[str, str], Any] = {}
     for r in records:

@@ -41,10 +41,11 @@ docs/BENCHMARKS.md): XXH3-64 (``xxhash``) runs several times faster than ``zlib.
 and faster than hardware CRC32C, and the checksum runs over every byte of every put and
 get. Algo 4 hashes the payload in one call seeded by the key's hash, so a put costs one
 C call per value beyond its copy (a value over :data:`PIECE`: one per piece, each hashed
-right after its copy, see :func:`copy_framed`; the digest is the same); algo 3 and CRC32 values written before stay readable,
-and without the ``xxhash`` package the store writes CRC32 (never fails). 32 bits of XXH3
-miss a random corruption with the same 2^-32 chance as a CRC32. python-xxhash holds the
-GIL while hashing; zlib releases it but is slower by more than the number of dump workers.
+right after its copy, see :func:`copy_framed`; the digest is the same); algo 3 and CRC32
+values written before stay readable, and without the ``xxhash`` package the store writes
+CRC32 (never fails). 32 bits of XXH3 miss a random corruption with the same 2^-32 chance as
+a CRC32. python-xxhash holds the GIL while hashing; zlib releases it but is slower by more
+than the number of dump workers.
 """
 
 from __future__ import annotations

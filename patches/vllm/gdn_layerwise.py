@@ -70,7 +70,7 @@ def make_cpu_op_wrapper(hooks: tuple[str, ...] = HOOKS) -> Wrapper:
 
 
 # Leading parameters of each era's target (``leading`` checks, verified against every vLLM
-# wheel by ucm_patch.verify.vllm and used by the per-era unit tests).
+# wheel by tools.verify.vllm and used by the per-era unit tests).
 _CORE = ("self", "mixed_qkv", "b", "a", "core_attn_out")
 _ROCM_CORE = ("self", "qkvz", "ba", "z_out", "core_attn_out")
 # cpu_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name): the dispatcher

@@ -43,7 +43,7 @@ REMOVAL = (
 )
 
 # Leading parameters of each era's target (``leading`` checks, verified against every vLLM
-# wheel by ucm_patch.verify.vllm).
+# wheel by tools.verify.vllm).
 ATTENTION_PARAMS = ("self", "positions", "q", "kv_c_normed", "k_pe", "attn_out")
 FUSED_DECODE_PARAMS = (
     "self",

@@ -4,7 +4,7 @@ Every record here gates on ``vllm-ascend`` only: the core (``ucm_patch.versions.
 already replaces a stale vLLM-Ascend version by the paired vLLM release on a major.minor
 mismatch ("vLLM wins"), and ``ucm-patch status`` shows the mismatch. Each record's
 ``expect`` states the source facts it relies on (the names in :mod:`.checks`), verified by
-:mod:`ucm_patch.verify.ascend` and by the tests.
+:mod:`tools.verify.ascend` and by the tests.
 """
 
 from __future__ import annotations

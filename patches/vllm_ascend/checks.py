@@ -3,7 +3,7 @@
 Every record in this package states in ``expect`` what it relies on in the vLLM-Ascend
 source, with the shared vocabulary of :mod:`ucm_patch.expect` (re-exported here, so a
 record table reads ``c.signature(...)``, ``c.binding(module, c.SAVE)``).
-:mod:`ucm_patch.verify.ascend` evaluates the checks on every covered release; ``binding``
+:mod:`tools.verify.ascend` evaluates the checks on every covered release; ``binding``
 checks name :data:`UTILS` as the module the hooks come from and ``marks_write`` counts the
 calls of :data:`KV_WRITE_OPS` as KV writes.
 """

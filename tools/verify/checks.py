@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 
 from packaging.version import Version
 
+from tools.verify.source import SourceTree, calls, local_expr, params
 from ucm_patch.typing_guard import TYPE_CHECKING
-from ucm_patch.verify.source import SourceTree, calls, local_expr, params
 
 if TYPE_CHECKING:
     from typing import TypeAlias

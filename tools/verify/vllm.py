@@ -35,12 +35,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+from tools.verify import sections
+from tools.verify.checks import in_range
+from tools.verify.source import SourceTree, params
 from ucm_patch import capture_break
 from ucm_patch.expect import leading_params
 from ucm_patch.typing_guard import TYPE_CHECKING
-from ucm_patch.verify import sections
-from ucm_patch.verify.checks import in_range
-from ucm_patch.verify.source import SourceTree, params
 
 if TYPE_CHECKING:
     from typing import Any
