@@ -21,8 +21,8 @@ threads, shutdown) are called by :class:`ucm_patch.hooks.events.EventLedger` und
 which serialises the check-then-append that bounds the pool. The ``created``/``destroyed``
 counters are diagnostics; concurrent creation may race on them.
 
-Nothing here imports torch at module import time; :func:`make_device` binds it lazily.
-NPU code lives in :mod:`ucm_patch.hooks.device_npu` only.
+Nothing here imports torch at module import time; the devices bind it lazily. NPU code
+lives in :mod:`ucm_patch.hooks.device_npu` only; :mod:`ucm_patch.hooks.devices` chooses one.
 """
 
 from __future__ import annotations
@@ -254,45 +254,3 @@ class CudaDevice(Device):
         if type(handle) is not int or handle == 0:
             raise EventHandleError(f"CUDA event {event!r} has no handle (cuda_event={handle!r})")
         return handle
-
-
-def make_device(kind: str | None = None, pool_size: int = 256) -> Device:
-    """The Device for this process: ``kind`` ("cpu" | "cuda" | "npu") or the platform's.
-
-    Without ``kind`` the choice follows vLLM's ``current_platform.device_type`` when vLLM
-    is importable (what the engine itself runs on), else torch's availability checks.
-    Unknown kinds raise ValueError naming the value.
-    """
-    if kind is None:
-        kind = _platform_kind()
-    if kind == "cpu":
-        return CpuDevice(pool_size)
-    if kind == "cuda":
-        return CudaDevice(pool_size)
-    if kind == "npu":
-        from ucm_patch.hooks.device_npu import NpuDevice
-
-        return NpuDevice(pool_size)
-    raise ValueError(f"unknown device kind={kind!r}; expected 'cpu', 'cuda' or 'npu'")
-
-
-def _platform_kind() -> str:
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        current_platform = None
-    if current_platform is not None:
-        device_type = getattr(current_platform, "device_type", "cpu")
-        if device_type in ("cuda", "npu"):
-            return device_type
-        return "cpu"
-    try:
-        import torch
-    except ImportError:
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    npu = getattr(torch, "npu", None)
-    if npu is not None and npu.is_available():
-        return "npu"
-    return "cpu"

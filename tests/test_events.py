@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from ucm_patch.hooks import layerwise
-from ucm_patch.hooks.device import CpuDevice, CpuEvent, EventHandleError, FakeEvent, make_device
+from ucm_patch.hooks.device import CpuDevice, CpuEvent, EventHandleError, FakeEvent
+from ucm_patch.hooks.devices import make_device
 from ucm_patch.hooks.events import EventLedger, EventSource
 from ucm_patch.hooks.metrics import EVENT_SOURCE_NAMES, DumpMetrics, export
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ast
 import configparser
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -150,3 +150,137 @@ def test_the_installed_package_imports_no_tooling():
             found += [f"{name} imports {m}" for m in mods if m.split(".")[0] in TOOLING]
     assert not found, found
     assert not (REPO / "ucm_patch" / "verify").exists()
+
+
+# -- no import circle, lazy or typing-only (issue #28) ------------------------------------------
+def imports_of(module: str, path: Path, is_pkg: bool, known: Iterable[str]) -> set[str]:
+    """The installed modules ``module`` imports anywhere in its file: at the top, inside a
+    function (lazy) or under ``TYPE_CHECKING``. ``from pkg import sub`` counts as ``sub``
+    when ``sub`` is a module."""
+    known = set(known)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            owner = _absolute(module, is_pkg, node)
+            names = [
+                f"{owner}.{a.name}" if f"{owner}.{a.name}" in known else owner for a in node.names
+            ]
+        else:
+            continue
+        found.update(n for n in names if n in known and n != module)
+    return found
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                members.append(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle_lazy_or_typing_only():
+    """Each arrow between installed modules points one way. A circle hidden behind a lazy
+    or ``TYPE_CHECKING`` import still ties the modules together (which one initialises
+    first, which one a type names); the dump engine and the devices had one each."""
+    graph = {
+        name: imports_of(name, path, is_pkg, MODULES) for name, (path, is_pkg) in MODULES.items()
+    }
+    assert import_circles(graph) == []
+
+
+def test_the_circle_check_sees_a_lazy_one(tmp_path):
+    pkg = tmp_path / "ucm_patch"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from ucm_patch import b\n")
+    (pkg / "b.py").write_text(
+        "from ucm_patch.typing_guard import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from ucm_patch.c import C\n"
+    )
+    (pkg / "c.py").write_text("def f():\n    from ucm_patch.a import x\n")
+    names = {"ucm_patch.a", "ucm_patch.b", "ucm_patch.c", "ucm_patch.typing_guard"}
+    graph = {
+        n: imports_of(n, pkg / f"{n.rpartition('.')[2]}.py", False, names)
+        for n in sorted(names - {"ucm_patch.typing_guard"})
+    }
+    assert import_circles(graph) == [["ucm_patch.a", "ucm_patch.b", "ucm_patch.c"]]
+
+
+# -- the house as README draws it (issue #28, item 6) ---------------------------------------
+ENTRY_POINTS = frozenset(
+    {"ucm_patch", "ucm_patch.__main__", "ucm_patch.activation", "ucm_patch.plugin"}
+    | {"ucm_patch.cli", "ucm_patch.docs"}
+)
+ROOMS = (  # module prefix -> room, first match wins
+    ("ucm_patch.connector", "connector"),
+    ("ucm_patch.patches", "patches"),
+    ("ucm_patch.hooks.layerwise", "hooks.layerwise"),
+    ("ucm_patch.hooks.dump", "hooks.dump"),
+    ("ucm_patch.hooks.stores", "hooks.stores"),
+    ("ucm_patch.hooks", "hooks"),
+)
+# README's "Layout" drawing, arrow by arrow (every room may also import the kernel)
+DRAWN = {
+    "entry points": {"patches", "connector", "kernel"},
+    "patches": {"hooks", "hooks.layerwise", "kernel"},
+    "connector": {"hooks.dump", "hooks.stores", "hooks", "kernel"},
+    "hooks.dump": {"hooks.stores", "hooks", "kernel"},
+    "hooks.stores": {"hooks", "kernel"},
+    "hooks": {"hooks.layerwise", "kernel"},
+    "hooks.layerwise": {"kernel"},
+    "kernel": set(),
+}
+
+
+def room_of(module: str) -> str:
+    if module in ENTRY_POINTS:
+        return "entry points"
+    for prefix, room in ROOMS:
+        if module == prefix or module.startswith(prefix + "."):
+            return room
+    return "kernel"
+
+
+def test_rooms_import_as_the_readme_draws_them():
+    arrows: dict[str, set[str]] = {room: set() for room in DRAWN}
+    for name, (path, is_pkg) in MODULES.items():
+        for target in imports_of(name, path, is_pkg, MODULES):
+            a, b = room_of(name), room_of(target)
+            if a != b:
+                arrows[a].add(b)
+    undrawn = {a: sorted(b - DRAWN[a]) for a, b in arrows.items() if b - DRAWN[a]}
+    assert not undrawn, f"imports README's Layout drawing does not show: {undrawn}"
+    both_ways = sorted((a, b) for a in arrows for b in arrows[a] if a in arrows.get(b, ()))
+    assert not both_ways
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for room in ("ucm_patch.patches", "ucm_patch.connector", "hooks.dump", "hooks.stores"):
+        assert room in readme

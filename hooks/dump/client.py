@@ -2,32 +2,55 @@
 
 Request ids are unique only within one engine (``LLM`` numbers its requests "0", "1", ...)
 and vLLM requires each connector to report only ids it was given, so every connector
-instance takes its own client. The client's maps are guarded by the scheduler's lock, which
-the scheduler hands over when it makes the client: a batch's completion (scheduler side)
-and a request's report (client side) update them together.
+instance takes its own client.
 
-The per-layer submit takes no lock: it counts into the client's ``tally`` (one slot per
-event source and ownership), written only by the thread that drives the connector (vLLM
-steps a connector from one thread), and the scheduler folds the tallies into the shared
-metrics under its lock when it retires or when metrics are read (single-writer counters,
-summed when read).
+Ownership: the client owns its request maps and guards them with its own lock, a leaf
+(nothing else is taken while it is held, so the scheduler may take it under its lock).
+The scheduler tells a client one thing: a batch of its finished (:meth:`batch_done`, an
+append to a queue, from under the scheduler's lock); the client takes those in whenever it
+looks at its maps. The client calls the scheduler only with its own lock released, through
+the narrow set of :class:`SchedulerOfClient`.
+
+The per-layer submit takes no lock: it counts into the client's ``tally`` (a
+:class:`SubmitTally`), written only by the thread that drives the connector (vLLM steps a
+connector from one thread), and the scheduler folds the tallies into the shared metrics
+under its lock when it retires or when metrics are read (single-writer counters, summed
+when read).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, Protocol
 
-from ucm_patch.hooks.dump.types import Batch, FinishedDumps
-from ucm_patch.hooks.events import EventSource
+from ucm_patch.hooks.dump.types import Batch, FinishedDumps, SubmitTally
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import threading
-
-    from ucm_patch.hooks.dump.scheduler import DumpScheduler
     from ucm_patch.hooks.stores.base import KVStore
+
+
+class SchedulerOfClient(Protocol):
+    """What a client uses of the :class:`~ucm_patch.hooks.dump.scheduler.DumpScheduler`
+    that made it (listed here so that this module does not import the scheduler, which
+    imports this one). Each takes the scheduler's lock itself: a client calls them with
+    its own lock released."""
+
+    closed: bool
+    blocking_finish: bool
+    submit_layer: Callable[..., bool]
+    submit: Callable[..., bool]
+    seal: Callable[[Batch], None]
+
+    def batch_opened(self) -> None: ...
+    def poll(self) -> None: ...
+    def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool: ...
+    def requests_reported(self, ready: int, failed: int, waits_ns: list[int]) -> None: ...
+    def preempt_waited(self, seconds: float) -> None: ...
+    def remove_client(self, client: DumpClient) -> None: ...
 
 
 class _Request:
@@ -51,10 +74,12 @@ class DumpClient:
 
     __slots__ = (
         "_closed",
+        "_done",
         "_finished_waiting",
         "_lock",
         "_ready",
         "_reqs",
+        "_waits_ns",
         "folded",
         "name",
         "scheduler",
@@ -64,18 +89,21 @@ class DumpClient:
         "tally",
     )
 
-    def __init__(self, scheduler: DumpScheduler, name: str, lock: threading.Lock) -> None:
+    def __init__(self, scheduler: SchedulerOfClient, name: str) -> None:
         self.scheduler = scheduler
         self.name = name
-        self._lock = lock  # the scheduler's: see the module docstring
+        self._lock = threading.Lock()  # the maps below; a leaf lock (module docstring)
         self._closed = False
         self._reqs: dict[str, _Request] = {}
         self._ready: dict[str, bool] = {}  # reportable request id -> failed
         self._finished_waiting = 0  # finished requests with dumps still running
-        # Submits by (source << 1 | owned): written by this client's submitting thread
-        # only; ``folded`` is the part already added to the metrics (scheduler lock).
-        self.tally = [0] * (2 * len(EventSource))
-        self.folded = [0] * (2 * len(EventSource))
+        self._waits_ns: list[int] = []  # finish-to-ready waits not yet in the metrics
+        # Completed batches, appended by the scheduler (deque.append: atomic, no lock).
+        self._done: deque[Batch] = deque()
+        # Written by this client's submitting thread only; ``folded`` is the part already
+        # added to the metrics (scheduler lock).
+        self.tally = SubmitTally()
+        self.folded = SubmitTally()
         self.submit_layer = scheduler.submit_layer
         self.submit = scheduler.submit
         self.seal = scheduler.seal
@@ -91,26 +119,43 @@ class DumpClient:
         """
         ids = tuple(dict.fromkeys(req_ids))
         batch = Batch(self, ids, store, context)
-        sched = self.scheduler
         with self._lock:
-            if self._closed or sched.closed:
+            if self._closed or self.scheduler.closed:
                 raise RuntimeError(
                     f"DumpClient.open_batch: client {self.name!r} is closed or the "
                     "scheduler is shut down"
                 )
+            self._take_done()
             reqs = self._reqs
             for rid in ids:
                 req = reqs.get(rid)
-                if req is None:
-                    req = reqs[rid] = _Request()
-                elif req.finished_ns:
+                if req is not None and req.finished_ns:
                     raise ValueError(
                         f"DumpClient.open_batch: request id {rid!r} was already passed to "
                         "get_finished and its dumps are still tracked"
                     )
+            for rid in ids:
+                req = reqs.get(rid)
+                if req is None:
+                    req = reqs[rid] = _Request()
                 req.batches.append(batch)
-            sched.batch_opened_locked()
+        try:
+            self.scheduler.batch_opened()
+        except RuntimeError:  # shut down meanwhile: the batch never runs, forget it
+            with self._lock:
+                for rid in ids:
+                    req = reqs.get(rid)
+                    if req is not None and batch in req.batches:
+                        req.batches.remove(batch)
+                        if not req.batches and not req.finished_ns:
+                            del reqs[rid]
+            raise
         return batch
+
+    # -- called by the scheduler --------------------------------------------------------
+    def batch_done(self, batch: Batch) -> None:
+        """``batch`` completed: taken in when this client next looks at its maps."""
+        self._done.append(batch)
 
     # -- completion -------------------------------------------------------------------
     def get_finished(
@@ -124,11 +169,11 @@ class DumpClient:
         them. Unknown ids (no dumps registered on this client) are ignored.
         """
         sched = self.scheduler
-        lock = self._lock
+        sched.poll()  # finished dumps retired: their completed batches are queued here
         now = perf_counter_ns()
         targets: list[str] = []
-        with lock:
-            sched.retire_locked()
+        with self._lock:
+            self._take_done()
             reqs = self._reqs
             for rid in finished_req_ids:
                 req = reqs.get(rid)
@@ -142,13 +187,13 @@ class DumpClient:
                     self._report_ready(rid, req, now)
         if sched.blocking_finish and targets:
             sched.wait_until(lambda: self._drained(targets), timeout)
-        with lock:
-            if not self._ready:
-                return FinishedDumps(set(), set())
+        with self._lock:
+            self._take_done()
             ready, self._ready = self._ready, {}
-            failed = {rid for rid, bad in ready.items() if bad}
-            sched.metrics.requests_finished += len(ready)
-            sched.metrics.requests_failed += len(failed)
+            waits, self._waits_ns = self._waits_ns, []
+        failed = {rid for rid, bad in ready.items() if bad}
+        if ready or waits:
+            sched.requests_reported(len(ready), len(failed), waits)
         return FinishedDumps(set(ready), failed)
 
     def handle_preemptions(self, req_ids: Iterable[str], timeout: float | None = None) -> bool:
@@ -166,11 +211,12 @@ class DumpClient:
             return True
         done = sched.wait_until(lambda: self._drained(targets), timeout)
         with self._lock:
+            self._take_done()
             for rid in targets:
                 req = self._reqs.pop(rid, None)
                 if req is not None and req.finished_ns and req.batches:
                     self._finished_waiting -= 1
-            sched.metrics.preempt_wait.observe((perf_counter_ns() - t0) / 1e9)
+        sched.preempt_waited((perf_counter_ns() - t0) / 1e9)
         return done
 
     # -- queries ----------------------------------------------------------------------
@@ -185,29 +231,40 @@ class DumpClient:
         A connector can return this from vLLM's ``has_pending_push_work`` so the engine
         keeps stepping until held blocks are released (LMCache #4998).
         """
-        with self._lock:
-            self.scheduler.retire_locked()
-            return self.has_pending_locked()
+        self.scheduler.poll()
+        return self.reports_pending()
 
-    def has_pending_locked(self) -> bool:
-        """:meth:`has_pending` without retiring finished dumps (caller holds the lock)."""
-        return bool(self._ready or self._finished_waiting)
+    def reports_pending(self) -> bool:
+        """:meth:`has_pending` without retiring finished dumps first."""
+        with self._lock:
+            self._take_done()
+            return bool(self._ready or self._finished_waiting)
 
     def sizes(self) -> dict[str, int]:
-        """This client's map sizes (caller may hold the scheduler lock or not)."""
-        return {
-            "requests": len(self._reqs),
-            "ready": len(self._ready),
-            "finished_waiting": self._finished_waiting,
-        }
+        """This client's map sizes."""
+        with self._lock:
+            self._take_done()
+            return {
+                "requests": len(self._reqs),
+                "ready": len(self._ready),
+                "finished_waiting": self._finished_waiting,
+            }
+
+    def open_batches(self) -> list[Batch]:
+        """This client's batches not yet completed (each once)."""
+        with self._lock:
+            self._take_done()
+            batches = {id(b): b for req in self._reqs.values() for b in req.batches}
+        return list(batches.values())
 
     # -- shutdown ---------------------------------------------------------------------
     def flush(self, timeout: float) -> bool:
         """Seal this client's open batches and wait up to ``timeout`` seconds for their
         dumps (connector shutdown: the last steps' KV gets stored unless the store hangs).
         Returns False when some were still running."""
+        for batch in self.open_batches():
+            self.seal(batch)
         with self._lock:
-            self.seal_open_locked()
             targets = list(self._reqs)
         if not targets:
             return True
@@ -215,59 +272,58 @@ class DumpClient:
 
     def close(self) -> None:
         """Forget this client (connector shutdown); its running dumps still finish."""
+        for batch in self.open_batches():
+            self.seal(batch)
         with self._lock:
-            self.seal_open_locked()
             self._reqs.clear()
             self._ready.clear()
+            self._done.clear()
             self._finished_waiting = 0
             self._closed = True
-            self.scheduler.remove_client_locked(self)
+        self.scheduler.remove_client(self)
 
-    def seal_open_locked(self) -> None:
-        """Seal every open batch of this client (caller holds the lock).
-
-        Sealing may complete a batch, which edits the maps walked here: walk copies."""
-        seal = self.scheduler.seal_locked
-        for req in list(self._reqs.values()):
-            for batch in list(req.batches):
-                seal(batch)
-
-    # -- called by the scheduler, lock held ---------------------------------------------
-    def batch_done_locked(self, batch: Batch) -> None:
-        """``batch`` finished: its requests with no batch left become reportable."""
+    # -- private (own lock held) --------------------------------------------------------
+    def _take_done(self) -> None:
+        """Take in the batches the scheduler completed: their requests with no batch left
+        become reportable."""
+        done = self._done
         reqs = self._reqs
         now = 0
-        for rid in batch.req_ids:
-            req = reqs.get(rid)
-            if req is None:
-                continue  # preempted and forgotten
-            batches = req.batches
-            for i, b in enumerate(batches):
-                if b is batch:
-                    del batches[i]
-                    break
-            else:
-                continue  # a newer incarnation of the id (resumed after preemption)
-            if batch.failed:
-                req.failed = True
-            if not batches and req.finished_ns:
-                if not now:
-                    now = perf_counter_ns()
-                self._finished_waiting -= 1
-                self._report_ready(rid, req, now)
+        while done:
+            batch = done.popleft()
+            for rid in batch.req_ids:
+                req = reqs.get(rid)
+                if req is None:
+                    continue  # preempted and forgotten
+                batches = req.batches
+                for i, b in enumerate(batches):
+                    if b is batch:
+                        del batches[i]
+                        break
+                else:
+                    continue  # a newer incarnation of the id (resumed after preemption)
+                if batch.failed:
+                    req.failed = True
+                if not batches and req.finished_ns:
+                    if not now:
+                        now = perf_counter_ns()
+                    self._finished_waiting -= 1
+                    self._report_ready(rid, req, now)
 
-    # -- private ----------------------------------------------------------------------
     def _report_ready(self, rid: str, req: _Request, now: int) -> None:
         del self._reqs[rid]
         self._ready[rid] = req.failed
-        self.scheduler.metrics.request_wait.observe((now - req.finished_ns) / 1e9)
+        self._waits_ns.append(now - req.finished_ns)
 
     def _drained(self, targets: list[str]) -> bool:
-        reqs = self._reqs
-        for rid in targets:
-            req = reqs.get(rid)
-            if req is not None:
-                for b in req.batches:
-                    if b.pending:
-                        return False
+        """No dump of ``targets`` is still queued or running (the scheduler may hold its
+        lock: this one is a leaf)."""
+        with self._lock:
+            reqs = self._reqs
+            for rid in targets:
+                req = reqs.get(rid)
+                if req is not None:
+                    for b in req.batches:
+                        if b.pending:
+                            return False
         return True

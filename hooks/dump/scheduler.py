@@ -9,12 +9,14 @@ delayed free and the locking.
 
 Locking, in brief: the per-layer submit takes no lock (a slot pop is atomic; it counts
 into the batch's and its client's single-writer counters, folded into the metrics under
-the lock when tasks are retired or metrics read). ``_lock`` guards the clients' maps (it
-is handed to each client), batch completion, slot returns, the metrics and the event
-ledger's counters, and is never held while waiting. Workers never wait for it: they hand
-finished tasks back on a deque, retired under ``_lock`` by whoever holds it next.
-``_done_cv`` (taken before ``_lock``, never after) wakes threads waiting for dumps;
-``_wake`` parks idle workers.
+the lock when tasks are retired or metrics read). ``_lock`` guards batch completion, slot
+returns, the metrics and the event ledger's counters, and is never held while waiting.
+Each client guards its own request maps with its own lock, a leaf: the scheduler tells it
+of a completed batch by appending to the client's queue (:meth:`DumpClient.batch_done`),
+and a client calls the scheduler only with its lock released. Workers never wait for
+``_lock``: they hand finished tasks back on a deque, retired under ``_lock`` by whoever
+holds it next. ``_done_cv`` (taken before ``_lock``, never after) wakes threads waiting
+for dumps; ``_wake`` parks idle workers. Lock order: ``_done_cv``, ``_lock``, a client's.
 
 Exit: dumps still in flight when the process exits get a bounded flush
 (:data:`EXIT_FLUSH_VAR`, default :data:`DEFAULT_EXIT_FLUSH_S` seconds, or the connector's
@@ -35,7 +37,8 @@ from collections.abc import Callable, Sequence
 from time import monotonic, sleep
 from typing import Any
 
-from ucm_patch.hooks.device import Device, make_device
+from ucm_patch.hooks.device import Device
+from ucm_patch.hooks.devices import make_device
 from ucm_patch.hooks.dump.client import DumpClient
 from ucm_patch.hooks.dump.types import (
     CANCELLED,
@@ -89,8 +92,8 @@ class DumpScheduler:
 
     Connectors: :meth:`client` (one each), ``submit_layer`` / ``submit`` / ``seal`` (also
     bound on every client), ``has_pending``, ``poll``, ``internal_sizes``, ``shutdown``,
-    ``events`` (owned events for ``submit``) and ``metrics``. Clients build on the
-    ``*_locked`` methods and :meth:`wait_until`.
+    ``events`` (owned events for ``submit``) and ``metrics``. Clients build on
+    :class:`~ucm_patch.hooks.dump.client.SchedulerOfClient`'s methods.
 
     Options: ``device`` (default: the platform's, :func:`make_device`); ``workers`` dump
     threads; ``capacity`` task slots = most dumps in flight; ``on_full`` / ``full_wait_s``
@@ -205,7 +208,7 @@ class DumpScheduler:
     # =================================================================================
     def client(self, name: str = "connector") -> DumpClient:
         """A new request-id space on this scheduler (one per connector instance)."""
-        client = DumpClient(self, name, self._lock)
+        client = DumpClient(self, name)
         with self._lock:
             if self._closed:
                 raise RuntimeError("DumpScheduler.client: the scheduler is shut down")
@@ -215,18 +218,45 @@ class DumpScheduler:
     def has_pending(self) -> bool:
         """True while any dump runs or any client has finished requests not yet reported."""
         with self._lock:
-            self.retire_locked()
+            self._retire_locked()
             if self.metrics.queue_depth:
                 return True
-            return any(c.has_pending_locked() for c in self._clients)
+            clients = list(self._clients)
+        return any(c.reports_pending() for c in clients)
 
-    # What clients build on: they share _lock (given to them at creation) and call these
-    # with it held (``*_locked``) or not held (wait_until).
-    def batch_opened_locked(self) -> None:
-        """A client opened a batch: it counts as live until it completes."""
-        self._batches_live += 1
+    # What clients build on (client.SchedulerOfClient): each takes _lock itself; a client
+    # calls them with its own lock released.
+    def batch_opened(self) -> None:
+        """A client opened a batch: it counts as live until it completes. RuntimeError
+        once shut down (the batch would never run)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("DumpScheduler: shut down, no batch can be opened")
+            self._batches_live += 1
 
-    def seal_locked(self, batch: Batch) -> None:
+    def requests_reported(self, ready: int, failed: int, waits_ns: list[int]) -> None:
+        """A client reported ``ready`` requests (``failed`` of them not fully stored);
+        ``waits_ns``: how long each waited for its dumps after it finished."""
+        m = self.metrics
+        with self._lock:
+            m.requests_finished += ready
+            m.requests_failed += failed
+            for wait in waits_ns:
+                m.request_wait.observe(wait / 1e9)
+
+    def preempt_waited(self, seconds: float) -> None:
+        """A client waited ``seconds`` for the dumps of preempted requests."""
+        with self._lock:
+            self.metrics.preempt_wait.observe(seconds)
+
+    def remove_client(self, client: DumpClient) -> None:
+        """Forget a closed client: it no longer counts in sizes and pending work."""
+        with self._lock:
+            if client in self._clients:
+                self._fold_client_locked(client)
+                self._clients.remove(client)
+
+    def _seal_locked(self, batch: Batch) -> None:
         """:meth:`seal` for a caller that holds the lock.
 
         Sealing runs on the submitting thread after its last submit, so ``submitted`` is
@@ -235,12 +265,6 @@ class DumpScheduler:
             batch.sealed = True
             if batch.retired == batch.submitted:
                 self._complete_batch(batch)
-
-    def remove_client_locked(self, client: DumpClient) -> None:
-        """Forget a closed client: it no longer counts in sizes and pending work."""
-        if client in self._clients:
-            self._fold_client_locked(client)
-            self._clients.remove(client)
 
     def _fold_locked(self) -> None:
         """Add what every client submitted since the last fold to the metrics and the
@@ -251,15 +275,11 @@ class DumpScheduler:
                 self._fold_client_locked(client)
 
     def _fold_client_locked(self, client: DumpClient) -> None:
-        tally, folded = client.tally, client.folded
         count = self._count_event
         submitted = 0
-        for i in range(len(tally)):
-            n = tally[i] - folded[i]  # read once: the submitting thread may add meanwhile
-            if n:
-                folded[i] += n
-                submitted += n
-                count(bool(i & 1), i >> 1, n)
+        for source, owned, n in client.tally.added(client.folded):
+            submitted += n
+            count(owned, source, n)
         self.metrics.dumps_submitted += submitted
 
     def refresh_metrics(self) -> None:
@@ -292,8 +312,9 @@ class DumpScheduler:
         store. Returns False when the dump was skipped (back-pressure or shut down).
         """
         event, owned, source = self._resolve(layer_name, attn_metadata)
-        # _enqueue's fast path inline (once per layer per step: one frame of eight
-        # arguments less); everything else, back-pressure included, goes through it.
+        # _enqueue's first case, inline: this runs once per layer per step, and the call
+        # it saves was a third of this method's time (bench_dump_hook.py, issue #28);
+        # everything else, back-pressure included, goes through _enqueue.
         if type(batch) is Batch and not batch.sealed and not self._closed:
             free = self._free
             if free:
@@ -303,7 +324,7 @@ class DumpScheduler:
                     pass
                 else:
                     batch.submitted += 1
-                    batch.tally[source + source + owned] += 1
+                    batch.tally[owned][source] += 1
                     task.batch = batch
                     task.row = row
                     task.keys = keys
@@ -365,7 +386,7 @@ class DumpScheduler:
                 pass
             else:
                 batch.submitted += 1
-                batch.tally[source + source + owned] += 1
+                batch.tally[owned][source] += 1
         if task is None:
             if may_wait and self._wait_for_slot(batch, event, owned):
                 return self._enqueue(batch, row, keys, data, event, owned, source, False)
@@ -411,7 +432,7 @@ class DumpScheduler:
             )
         if not self.on_full_wait or self.full_wait_s <= 0:
             with self._lock:  # finished dumps not yet retired may free a slot
-                self.retire_locked()
+                self._retire_locked()
                 return bool(self._free)
         return self.wait_until(lambda: bool(self._free) or self._closed, self.full_wait_s) and (
             not self._closed
@@ -433,7 +454,7 @@ class DumpScheduler:
     def seal(self, batch: Batch) -> None:
         """No more dumps for ``batch`` (call from ``wait_for_save``). Never waits."""
         with self._lock:
-            self.seal_locked(batch)
+            self._seal_locked(batch)
 
     # =================================================================================
     # Queries
@@ -445,7 +466,7 @@ class DumpScheduler:
         the latest on the next ``get_finished`` / ``has_pending`` / ``internal_sizes``.
         """
         with self._lock:
-            self.retire_locked()
+            self._retire_locked()
 
     def internal_sizes(self) -> dict[str, int]:
         """Sizes of every internal map/set/queue (all 0 when idle and nothing is tracked).
@@ -453,7 +474,7 @@ class DumpScheduler:
         Request maps are summed over all clients.
         """
         with self._lock:
-            self.retire_locked()
+            self._retire_locked()
             sizes = {"requests": 0, "ready": 0, "finished_waiting": 0}
             for client in self._clients:
                 for key, value in client.sizes().items():
@@ -523,14 +544,15 @@ class DumpScheduler:
         for thread in self._threads:
             thread.join(max(0.0, deadline - monotonic()))
         with self._lock:
-            self.retire_locked()
+            self._retire_locked()
             running = [task for task in self._tasks if task.batch is not None]
             lost_ids.update(rid for task in running for rid in task.batch.req_ids)
             lost = len(cancelled) + len(running)
             self.lost_dumps += lost
             self.metrics.dumps_lost += lost  # exported with the other dump metrics
             for client in self._clients:
-                client.seal_open_locked()
+                for batch in client.open_batches():  # its lock is a leaf: safe under ours
+                    self._seal_locked(batch)
             self.device.close()  # under the ledger's lock: pool appends happen under it
         if lost:
             self._report_lost(lost, len(running), lost_ids, flush_s if not flushed else 0.0)
@@ -591,7 +613,7 @@ class DumpScheduler:
                 done.append(task)  # hand back: retired under _lock ...
                 if lock.acquire(False):  # ... here when the lock is free, never waiting
                     try:
-                        self.retire_locked()
+                        self._retire_locked()
                     finally:
                         lock.release()
                 if self._waiters:
@@ -658,7 +680,7 @@ class DumpScheduler:
         task.nbytes = nbytes
         return OK if all(flags) else STORE_FULL
 
-    def retire_locked(self) -> None:
+    def _retire_locked(self) -> None:
         """Retire every finished task (caller holds _lock): the completion bookkeeping.
 
         Releases the task's event, updates metrics and its batch, returns the slot. Runs on
@@ -726,7 +748,7 @@ class DumpScheduler:
             try:
                 while True:
                     with self._lock:
-                        self.retire_locked()
+                        self._retire_locked()
                         if predicate():
                             return True
                     if deadline is None:
@@ -745,7 +767,7 @@ class DumpScheduler:
     def _complete_batch(self, batch: Batch) -> None:
         batch.done = True
         self._batches_live -= 1
-        batch.client.batch_done_locked(batch)
+        batch.client.batch_done(batch)
 
 
 # =====================================================================================

@@ -1,18 +1,18 @@
 """The values that pass between a connector, its :class:`DumpClient` and the scheduler.
 
-Kept apart from both so that each can name them without importing the other.
+Kept apart from both so that each can name them without importing the other: this module
+imports neither (``types`` <- ``client`` <- ``scheduler``, no circle; a test checks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from ucm_patch.hooks.events import EventSource
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ucm_patch.hooks.dump.client import DumpClient
     from ucm_patch.hooks.stores.base import KVStore
 
 # DumpTask.source for a task with no event to wait on.
@@ -23,6 +23,41 @@ OK, FAILED, STORE_FULL, UNEXPECTED, CANCELLED = range(5)
 
 #: Payload type: host values aligned with keys, or a callable run after the event.
 Payload = Sequence[Any] | Callable[["DumpTask"], Any]
+
+
+class SubmitTally(list[list[int]]):
+    """Dumps submitted by one client: ``tally[owned][source]``, one counter per event
+    source (:class:`~ucm_patch.hooks.events.EventSource`) and ownership of the event.
+
+    Written without a lock by the one thread that drives the client's connector (the
+    submit path adds 1 at ``tally[owned][source]``: two C-level subscripts, no index
+    arithmetic); the scheduler folds what was added since the last fold into its metrics
+    under its lock (:meth:`added`).
+    """
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__([[0] * len(EventSource), [0] * len(EventSource)])
+
+    def added(self, since: SubmitTally) -> Iterator[tuple[int, bool, int]]:
+        """(source, owned, n) of each counter that grew past ``since`` (a tally this one
+        was folded into before), bringing ``since`` up to date."""
+        for owned, (counts, folded) in enumerate(zip(self, since, strict=True)):
+            for source, now in enumerate(counts):  # read once: the submitter may add
+                n = now - folded[source]
+                if n:
+                    folded[source] = now
+                    yield source, bool(owned), n
+
+
+class BatchClient(Protocol):
+    """What a :class:`Batch` and the scheduler need of the client that opened it."""
+
+    tally: SubmitTally
+
+    def batch_done(self, batch: Batch) -> None:
+        """``batch`` completed (called under the scheduler's lock; must take no other)."""
 
 
 class FinishedDumps(NamedTuple):
@@ -51,7 +86,7 @@ class Batch:
     )
 
     def __init__(
-        self, client: DumpClient, req_ids: tuple[str, ...], store: KVStore, context: Any
+        self, client: BatchClient, req_ids: tuple[str, ...], store: KVStore, context: Any
     ) -> None:
         self.client = client
         self.req_ids = req_ids
