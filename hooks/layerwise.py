@@ -9,20 +9,15 @@ dump policy. What it offers, all bound at patch-apply time:
   ``save_kv_layer``: the call pattern vLLM's ``maybe_transfer_kv_layer`` gives attention.
   Every vLLM and vLLM-Ascend layer patch builds its wrapper here; only *where* the layer,
   its name and its KV cache come from differs (:class:`LayerSite`).
-* :func:`begin` / :func:`end` / :func:`save` / :func:`wait`: the same contract one call
-  at a time, for code that cannot use the bracket::
-
-      md = layerwise.begin(layer_name)          # gate + wait_for_layer_load
-      try:
-          out = wrapped(*args, **kwargs)
-      finally:
-          layerwise.end(layer_name)
-      if md is not None:
-          layerwise.save(layer_name, kv_cache, md)
-
-* :func:`kv_ready` and :class:`LayerEvents`: publish the device event that says "this
-  layer's KV is written", one reusable event per layer.
-* lookups: :func:`connector_getter`, :func:`forward_context_holder`,
+* :func:`kv_ready_wrapper`: the wrapper for a call that writes a layer's KV (or runs
+  right after the write): publishes the device event that says "this layer's KV is
+  written" (:func:`kv_ready`, one reusable event per layer, :class:`LayerEvents`). Every
+  KV-ready patch builds its wrapper here; only where the call names its layer differs
+  (:class:`KVReadySite`).
+* the active connector, reached one way: vLLM's ``kv_transfer_state`` as :func:`bind`
+  bound it, read by the wrappers above and by :func:`connector_getter` (a frame-free
+  callable for other wrappers); :func:`idle` reads the same object without binding.
+* lookups: :func:`forward_context_holder`,
   :func:`forward_context_getter`, :func:`layer_metadata`, :func:`has_metadata_check`,
   :func:`argument`.
 
@@ -267,13 +262,11 @@ def layer_bracket(site: LayerSite) -> Wrapper:
     """The wrapt wrapper for a layer vLLM never hooks: gate, wait, core, save.
 
     Per call: with no connector or outside a forward pass the core runs untouched (two
-    attribute loads, two compares). Else the gates of :func:`enter` (nested entry, no
-    metadata for the layer in profile / dummy runs, no connector metadata this step),
+    attribute loads, two compares). Else the gates (nested entry, no metadata for the
+    layer in profile / dummy runs, no connector metadata this step),
     ``wait_for_layer_load``, the core, and ``save_kv_layer`` with the cache of
-    ``site`` once the core returned normally. Everything :func:`begin`, :func:`end` and
-    :func:`save` do, spelled out in one frame: on a per-layer path each Python call saved
-    counts (``scripts/bench_hooks.py`` measures it; ``tests/test_patches_vllm_wrappers.py``
-    holds it to the same gates as :func:`begin`).
+    ``site`` once the core returned normally, spelled out in one frame: on a per-layer
+    path each Python call saved counts (``scripts/bench_hooks.py`` measures it).
     """
     probe = _connector_probe()  # binds first: _has_metadata below is final
     holder = _forward_context_holder
@@ -377,6 +370,79 @@ class LayerEvents:
         return event
 
 
+@dataclass(frozen=True)
+class KVReadySite:
+    """Where a KV-writing call (or the call right after the write) names its layer.
+
+    ``index`` / ``key``: the argument that is the layer's name (position in wrapt's
+    ``args``, or keyword); ``default``: its value when it is absent (none: the call must
+    pass it). ``resolve_name``: the name's string (vLLM's ``LayerName`` wrappers, or
+    identity). ``after``: publish once the wrapped call returned (it is the write itself);
+    else before it runs (it is the notification or save that follows the write, and must
+    already find the event). An empty name names no layer and publishes nothing.
+    """
+
+    index: int = 0
+    key: str = "layer_name"
+    default: Any = _REQUIRED
+    resolve_name: Callable[[Any], str] = _same_name
+    after: bool = False
+
+
+def kv_ready_wrapper(site: KVReadySite, record: Callable[[str], Any]) -> Wrapper:
+    """The wrapt wrapper that publishes "this layer's KV is written" (:func:`kv_ready`)
+    around a call described by ``site``: with a connector active and the layer in this
+    step's metadata, ``record(layer_name)`` (one reusable event per layer,
+    :class:`LayerEvents`) goes to :data:`kv_ready_events` and onto the layer's metadata.
+    Every KV-ready patch builds its wrapper here; with no connector the call costs one
+    attribute load."""
+    probe = _connector_probe()  # binds first: layer_metadata below can read the context
+    index, key, default, resolve = site.index, site.key, site.default, site.resolve_name
+    required = default is _REQUIRED
+    metadata, publish = layer_metadata, kv_ready
+
+    # Two variants, each inline: this runs once per layer per step, where a shared helper
+    # would cost a Python call (bench_hooks.py measures the wrappers).
+    def kv_ready_after_call(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        result = wrapped(*args, **kwargs)
+        if probe._KV_CONNECTOR_AGENT is not None:
+            raw = (
+                args[index]
+                if len(args) > index
+                else kwargs[key]
+                if required
+                else kwargs.get(key, default)
+            )
+            layer_name = resolve(raw)
+            if layer_name:
+                md = metadata(layer_name)
+                if md is not None:
+                    publish(layer_name, record(layer_name), md)
+        return result
+
+    def kv_ready_before_call(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if probe._KV_CONNECTOR_AGENT is not None:
+            raw = (
+                args[index]
+                if len(args) > index
+                else kwargs[key]
+                if required
+                else kwargs.get(key, default)
+            )
+            layer_name = resolve(raw)
+            if layer_name:
+                md = metadata(layer_name)
+                if md is not None:
+                    publish(layer_name, record(layer_name), md)
+        return wrapped(*args, **kwargs)
+
+    return kv_ready_after_call if site.after else kv_ready_before_call
+
+
 def idle() -> bool:
     """True when no KV connector is active: wrappers are skipped (``skip_when``)."""
     state = _kv_state
@@ -391,19 +457,11 @@ def _connector_getter() -> Callable[[], Any] | None:
     None before :func:`bind` succeeded."""
     if _kv_state is None:
         return None
-    return functools.partial(getattr, _kv_state, "_KV_CONNECTOR_AGENT")
+    return connector_getter()
 
 
 #: Read by ucm_patch.guard.make_enabled: a frame-free equivalent of ``not idle()``.
 idle.enabled_callable = _connector_getter  # type: ignore[attr-defined]
-
-
-def active_connector() -> Any | None:
-    """vLLM's active KV connector in this process, or None (one attribute load)."""
-    state = _kv_state
-    if state is None:
-        return None
-    return state._KV_CONNECTOR_AGENT
 
 
 def layer_metadata(layer_name: str) -> Any | None:
@@ -428,65 +486,6 @@ def pick_metadata(all_metadata: Any, layer_name: str) -> Any | None:
     if isinstance(md, dict):
         return md.get(layer_name)
     return md
-
-
-def begin(layer_name: str) -> Any | None:
-    """Gate and wait before a layer's core runs.
-
-    Returns the layer's metadata to pass to :func:`save` when the connector must see this
-    layer, or None when the hooks are skipped. A non-None return obliges the caller to
-    call :func:`end` (in a ``finally``) once the core returned.
-    """
-    state = _kv_state
-    if state is None:
-        return None
-    conn = state._KV_CONNECTOR_AGENT
-    if conn is None:
-        return None
-    return enter(conn, layer_name, _get_forward_context().attn_metadata)  # type: ignore[misc]
-
-
-def enter(conn: Any, layer_name: str, all_metadata: Any) -> Any | None:
-    """:func:`begin` for a wrapper that already holds the active connector ``conn`` and
-    ``forward_context.attn_metadata`` (it needs the forward context for the KV cache too):
-    one Python call fewer per layer on the connector path. Same gates, same contract."""
-    if layer_name in _inside:
-        calls["skipped_nested"] += 1
-        return None
-    md = pick_metadata(all_metadata, layer_name)
-    if md is None:
-        return None
-    if not (conn.has_connector_metadata() if _has_metadata is None else _has_metadata(conn)):
-        return None
-    _inside.add(layer_name)
-    calls["wait"] += 1
-    try:
-        conn.wait_for_layer_load(layer_name)
-    except BaseException:
-        _inside.discard(layer_name)
-        raise
-    return md
-
-
-def end(layer_name: str) -> None:
-    """Mark the layer's core as finished (pairs with a non-None :func:`begin`)."""
-    _inside.discard(layer_name)
-
-
-def wait(layer_name: str) -> None:
-    """Forward ``wait_for_layer_load`` to the active connector (no gating besides it)."""
-    conn = active_connector()
-    if conn is not None:
-        calls["wait"] += 1
-        conn.wait_for_layer_load(layer_name)
-
-
-def save(layer_name: str, kv_cache: Any, attn_metadata: Any) -> None:
-    """Forward ``save_kv_layer`` for a layer that :func:`begin` let through."""
-    conn = active_connector()
-    if conn is not None:
-        calls["save"] += 1
-        conn.save_kv_layer(layer_name, kv_cache, attn_metadata)
 
 
 def kv_ready(layer_name: str, event: Any, attn_metadata: Any = None) -> None:

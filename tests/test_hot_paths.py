@@ -76,11 +76,12 @@ def _hot_functions() -> dict[str, Callable[..., Any]]:
         "layer wrapper (method)": _layer_hooks.make_method_wrapper("prefix"),
         "KV-write kernel wrapper": kv_ready_event.make_kv_update_wrapper(2),
         "save-hook wrapper (vLLM 0.11)": kv_ready_event.make_save_hook_wrapper(),
-        "layerwise.begin": layerwise.begin,
-        "layerwise.enter": layerwise.enter,
-        "layerwise.end": layerwise.end,
-        "layerwise.wait": layerwise.wait,
-        "layerwise.save": layerwise.save,
+        "KV-ready wrapper (after the call)": layerwise.kv_ready_wrapper(
+            layerwise.KVReadySite(after=True), _original
+        ),
+        "KV-ready wrapper (before the call)": layerwise.kv_ready_wrapper(
+            layerwise.KVReadySite(default=""), _original
+        ),
         "layerwise.kv_ready": layerwise.kv_ready,
         "WorkerSide.wait_for_layer_load": WorkerSide.wait_for_layer_load,
         "WorkerSide.save_kv_layer": WorkerSide.save_kv_layer,

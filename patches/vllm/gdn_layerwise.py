@@ -12,7 +12,7 @@ it exactly like vLLM's ``maybe_transfer_kv_layer`` decorator brackets attention:
 ``wait_for_layer_load(prefix)`` before, ``save_kv_layer(prefix, [conv, ssm], md)`` after,
 skipped with no KV-transfer group, no metadata (profile / dummy runs) or no connector
 metadata. Nested entry methods (``_forward_core_rocm`` -> ``_forward_core``) fire once:
-``layerwise.begin`` refuses a layer that is already inside its core.
+the layer bracket (``layerwise.layer_bracket``) refuses a layer already inside its core.
 
 Eras (each checked against that release's source: docs/PATCHES.md, verification matrix):
 

@@ -119,27 +119,13 @@ def make_kv_update_wrapper(layer_name_index: int) -> Wrapper:
     """Wrapper for a KV-write op kernel whose ``layer_name`` is positional ``layer_name_index``.
 
     ``unified_kv_cache_update(key, value, layer_name)`` and
-    ``unified_mla_kv_cache_update(kv_c_normed, k_pe, layer_name, ...)``: index 2.
+    ``unified_mla_kv_cache_update(kv_c_normed, k_pe, layer_name, ...)``: index 2. Publishes
+    once the kernel wrote the KV.
     """
-    active_connector = layerwise.connector_getter()
-    resolve_name = _vllm_compat.layer_name_resolver()
-    record = event_recorder()
-    layer_metadata, kv_ready = layerwise.layer_metadata, layerwise.kv_ready
-    argument = layerwise.argument
-
-    def kv_update_wrapper(
-        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        result = wrapped(*args, **kwargs)
-        if active_connector() is None:
-            return result
-        layer_name = resolve_name(argument(args, kwargs, layer_name_index, "layer_name"))
-        md = layer_metadata(layer_name)
-        if md is not None:
-            kv_ready(layer_name, record(layer_name), md)
-        return result
-
-    return kv_update_wrapper
+    site = layerwise.KVReadySite(
+        index=layer_name_index, resolve_name=_vllm_compat.layer_name_resolver(), after=True
+    )
+    return layerwise.kv_ready_wrapper(site, event_recorder())
 
 
 def make_save_hook_wrapper() -> Wrapper:
@@ -148,22 +134,7 @@ def make_save_hook_wrapper() -> Wrapper:
     Runs right after the backend forward wrote the layer's KV: record, publish, then let
     vLLM's own save hook pass the same metadata object to ``save_kv_layer``.
     """
-    active_connector = layerwise.connector_getter()
-    record = event_recorder()
-    layer_metadata, kv_ready = layerwise.layer_metadata, layerwise.kv_ready
-    argument = layerwise.argument
-
-    def save_hook_wrapper(
-        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        if active_connector() is not None:
-            layer_name = argument(args, kwargs, 0, "layer_name")
-            md = layer_metadata(layer_name)
-            if md is not None:
-                kv_ready(layer_name, record(layer_name), md)
-        return wrapped(*args, **kwargs)
-
-    return save_hook_wrapper
+    return layerwise.kv_ready_wrapper(layerwise.KVReadySite(index=0), event_recorder())
 
 
 _ATTN_016 = "vllm.model_executor.layers.attention.attention"

@@ -46,7 +46,8 @@ No double save with vLLM's own ``gdn_layerwise`` records: on an NPU host they ar
 too, but vLLM-Ascend overwrites (0.13 - 0.18, 0.21+) or overrides (0.11, 0.19 - 0.20) the
 method they wrap. When both wrappers end up nested on the same method (ucm_patch activated
 after vLLM-Ascend's worker patch ran, or a copy of an already wrapped method), the inner
-one finds the layer inside :func:`ucm_patch.hooks.layerwise.begin` and steps aside.
+one finds the layer inside its core (:func:`ucm_patch.hooks.layerwise.layer_bracket`) and
+steps aside.
 """
 
 from __future__ import annotations

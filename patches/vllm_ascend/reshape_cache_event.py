@@ -132,23 +132,11 @@ def make_notify_wrapper() -> Wrapper:
     """Wrapper for a module's ``notify_kv_cache_written(layer_name="")`` binding (MLA / DSA, 0.23+).
 
     Records the layer's event and stores it on its per-layer metadata *before* the
-    notification goes out, so a connector's ``on_kv_cache_written`` already finds it.
+    notification goes out, so a connector's ``on_kv_cache_written`` already finds it (an
+    empty name, the default, names no layer).
     """
-    record = layerwise.LayerEvents(_npu.event_class()).record
-    active_connector, kv_ready = layerwise.connector_getter(), layerwise.kv_ready
-    layer_metadata, argument = layerwise.layer_metadata, layerwise.argument
-
-    def notify_wrapper(
-        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        layer_name = argument(args, kwargs, 0, "layer_name", "")
-        if layer_name and active_connector() is not None:
-            md = layer_metadata(layer_name)
-            if md is not None:
-                kv_ready(layer_name, record(layer_name), md)
-        return wrapped(*args, **kwargs)
-
-    return notify_wrapper
+    site = layerwise.KVReadySite(index=0, default="")
+    return layerwise.kv_ready_wrapper(site, layerwise.LayerEvents(_npu.event_class()).record)
 
 
 _ATTN = "vllm_ascend.attention.attention_v1"

@@ -14,12 +14,13 @@ checks     the checks runner (one evaluator per check kind) and version gating
 sections   the generated sections of docs/PATCHES.md (``<!-- name:start -->`` ... ``end``)
 vllm       vLLM: wheel sources, extracted signature facts, verdicts, the matrix
 ascend     vLLM-Ascend: the checks of one source tree, completeness, facts and results
-ascend_sources  vLLM-Ascend sources: PyPI wheels and sdist (pip, venv, unpack), git archive
-ascend_report   vLLM-Ascend results: the data file and the docs matrix
+ascend_s.  (``ascend_sources``) vLLM-Ascend sources: PyPI wheels and sdist, git archive
+ascend_r.  (``ascend_report``) vLLM-Ascend results: the data file and the docs matrix
 =========  ===================================================================================
 
 ``scripts/verify_targets.py`` and ``scripts/verify_ascend_targets.py`` are the command
 lines over it; the tests import it. It is not installed with ucm_patch (issue #28): a
-serving process never needs pip, venvs or release archives. Importing it costs the standard library and
-``packaging``: the patch records are imported the first time a function needs them.
+serving process never needs pip, venvs or release archives. Importing it costs the
+standard library and ``packaging``: the patch records are imported the first time a
+function needs them.
 """

@@ -165,7 +165,8 @@ def _section_body(data: dict[str, Any]) -> str:
         "overwrites (0.13-0.18, 0.21+) or overrides (0.11, 0.19-0.20) the method they wrap, so "
         "`ucm-patch status` may list one as applied while only the vLLM-Ascend era's wrapper "
         "runs; where both end up nested on one method, the inner one finds the layer already "
-        "inside `layerwise.begin` and stands aside (one wait, one save).",
+        "inside the layer bracket (`layerwise.layer_bracket`) and stands aside (one wait, "
+        "one save).",
         "",
         "Behaviour without an NPU: tests/test_patches_ascend_eras.py runs each era's records "
         "through the real registry on stand-in vLLM-Ascend packages (tests/standins, checked "
