@@ -250,7 +250,7 @@ ROOMS = (  # module prefix -> room, first match wins
 )
 # README's "Layout" drawing, arrow by arrow (every room may also import the kernel)
 DRAWN = {
-    "entry points": {"patches", "connector", "kernel"},
+    "entry points": {"patches", "connector", "hooks.dump", "hooks.stores", "kernel"},
     "patches": {"hooks", "hooks.layerwise", "kernel"},
     "connector": {"hooks.dump", "hooks.stores", "hooks", "kernel"},
     "hooks.dump": {"hooks.stores", "hooks", "kernel"},

@@ -32,8 +32,18 @@ def registry() -> Registry:
                 from ucm_patch.patches import all_patch_sets
 
                 records = [r for ps in all_patch_sets() for r in ps.records]
-                _registry = Registry(records)
+                _registry = Registry(records, settings=declared_settings)
     return _registry
+
+
+def declared_settings() -> frozenset[str]:
+    """The UCM_PATCH_* environment settings read outside the core, as the module that
+    reads each declares it (``ENV_SETTINGS``); imported only when the environment holds a
+    UCM_PATCH_* variable that is neither a toggle nor a core setting."""
+    from ucm_patch.hooks.dump.scheduler import ENV_SETTINGS as dump_settings
+    from ucm_patch.hooks.stores.framing import ENV_SETTINGS as store_settings
+
+    return frozenset({*dump_settings, *store_settings})
 
 
 def enabled_by_env(env: Mapping[str, str] | None = None) -> bool:

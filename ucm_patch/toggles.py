@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import os
 from collections import namedtuple  # not typing.NamedTuple: see ucm_patch.typing_guard
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from ucm_patch.errors import ConfigError
 from ucm_patch.typing_guard import TYPE_CHECKING
@@ -59,7 +59,9 @@ ACCEPTED_BOOL = "1/0, true/false, on/off, yes/no"
 
 ALLOW_UNTESTED_VAR = "UCM_PATCH_ALLOW_UNTESTED"
 
-# UCM_PATCH_* variables that are settings, not patch toggles.
+# The core's UCM_PATCH_* variables that are settings, not patch toggles. The rooms above
+# the core declare their own (``ENV_SETTINGS`` of each module that reads one); whoever
+# builds the registry hands them in (``settings``), so the core names none of theirs.
 SETTING_VARS = frozenset(
     {
         "UCM_PATCH_STRICT",
@@ -68,12 +70,12 @@ SETTING_VARS = frozenset(
         "UCM_PATCH_REPORT_DIR",
         "UCM_PATCH_VLLM_VERSION",
         "UCM_PATCH_VLLM_ASCEND_VERSION",
-        "UCM_PATCH_DUMP_EXIT_FLUSH_S",  # hooks.dump.scheduler: exit flush bound, seconds
-        "UCM_PATCH_STORE_KEY",  # hooks.stores.framing: integrity key for stored values
-        "UCM_PATCH_STORE_KEY_FILE",  # hooks.stores.framing: file holding that key
         ALLOW_UNTESTED_VAR,  # registry: newest eras apply past their ceiling
     }
 )
+#: The settings other modules declare, read only when a variable is neither a toggle nor
+#: a core setting (it imports those modules).
+DeclaredSettings = Callable[[], Iterable[str]]
 
 
 def parse_bool(value: str, where: str) -> bool:
@@ -209,8 +211,10 @@ class ToggleResolver:
         code: Mapping[str, bool] | None = None,
         env: Mapping[str, str] | None = None,
         versions: VersionCache | None = None,
+        settings: DeclaredSettings | None = None,
     ) -> None:
         self.known = frozenset(known)
+        self._declared = settings
         self.env = dict(os.environ if env is None else env)
         self.versions = versions or VersionCache()
         self.code = self._check_code(code or {})
@@ -241,7 +245,10 @@ class ToggleResolver:
                 continue
             name = by_var.get(var)
             if name is None:
-                valid = _names_hint(by_var) + ", " + _names_hint(SETTING_VARS)
+                declared = frozenset(self._declared()) if self._declared else frozenset()
+                if var in declared:
+                    continue
+                valid = _names_hint(by_var) + ", " + _names_hint(SETTING_VARS | declared)
                 raise ConfigError(
                     f"{var} is not a ucm_patch variable; patch toggles and settings are: {valid}"
                 )

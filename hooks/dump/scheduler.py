@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 #: Environment setting: seconds the exit flush waits for dumps in flight.
 EXIT_FLUSH_VAR = "UCM_PATCH_DUMP_EXIT_FLUSH_S"
+#: The environment settings this module reads (ucm_patch's toggle check accepts them).
+ENV_SETTINGS = (EXIT_FLUSH_VAR,)
 DEFAULT_EXIT_FLUSH_S = 10.0
 #: A failing store fails every row of every step: one warning per cause per this interval.
 FAILURE_LOG_INTERVAL_S = 60.0

@@ -76,6 +76,8 @@ _READ_ALGOS = (ALGO_CRC32, ALGO_XXH3_STREAM, ALGO_XXH3)
 WRITE_ALGO = ALGO_CRC32 if _xxh3_64 is None else ALGO_XXH3
 KEY_ENV = "UCM_PATCH_STORE_KEY"
 KEY_FILE_ENV = "UCM_PATCH_STORE_KEY_FILE"
+#: The environment settings this module reads (ucm_patch's toggle check accepts them).
+ENV_SETTINGS = (KEY_ENV, KEY_FILE_ENV)
 MIN_KEY_BYTES = 16
 
 _HEADER = struct.Struct("<4sBBHQI")

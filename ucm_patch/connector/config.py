@@ -9,20 +9,26 @@ naming the key and the accepted values.
 Two kinds of keys share the dict:
 
 * store keys (``store`` and every ``local_*`` / ``mooncake_*`` key): validated by
-  :func:`ucm_patch.hooks.stores.parse_store_config`, which owns them;
+  :func:`ucm_patch.hooks.stores.parse_store_config`, which owns them, once: the
+  :class:`~ucm_patch.hooks.stores.StoreConfig` it returns is what the store is built from;
 * connector keys (:data:`CONNECTOR_KEYS`): how loads and dumps are run.
+
+Every value check is :mod:`ucm_patch.hooks.settings`'s (one module for both tables).
 
 Nothing here imports vLLM or torch: the parser is usable (and tested) without them.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from ucm_patch.hooks import settings as v
+from ucm_patch.hooks.settings import SettingError
 from ucm_patch.hooks.stores import (
+    STORE_KEYS,
+    StoreConfig,
     StoreConfigError,
     parse_store_config,
     split_store_config,
@@ -32,77 +38,39 @@ LOAD_MODES = ("auto", "layerwise", "async")
 ON_FULL = ("skip", "wait")
 
 
-class ConnectorConfigError(ValueError):
+class ConnectorConfigError(SettingError):
     """A ``kv_connector_extra_config`` key is unknown or has a bad value (message names it)."""
 
 
-def _int_in(lo: int, hi: int) -> Callable[[str, object], int]:
-    def parse(key: str, value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise ConnectorConfigError(f"{key}: expected an int in [{lo}, {hi}], got {value!r}")
-        return value
-
-    return parse
-
-
-def _one_of(*choices: str) -> Callable[[str, object], str]:
-    def parse(key: str, value: object) -> str:
-        if value not in choices:
-            raise ConnectorConfigError(f"{key}: expected one of {list(choices)}, got {value!r}")
-        return str(value)
-
-    return parse
-
-
-def _bool(key: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConnectorConfigError(f"{key}: expected true or false, got {value!r}")
-    return value
-
-
-def _namespace(key: str, value: object) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConnectorConfigError(f"{key}: expected a non-empty string, got {value!r}")
-    return value
-
-
-def _seconds(key: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConnectorConfigError(f"{key}: expected a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ConnectorConfigError(f"{key}: expected a finite number >= 0, got {value!r}")
-    return float(value)
-
-
 # key -> (parser, default, help)
-CONNECTOR_KEYS: dict[str, tuple[Callable[[str, object], Any], Any, str]] = {
+CONNECTOR_KEYS: v.Table = {
     "namespace": (
-        _namespace,
+        v.text,
         None,
         "replaces the model path and the weight files' mtimes in the key fingerprint "
         "(their names, sizes and sampled content still count); set the same value on "
         "instances that load the same weights from different paths or hosts",
     ),
     "load_mode": (
-        _one_of(*LOAD_MODES),
+        v.one_of(*LOAD_MODES),
         "auto",
         "layerwise: load row by row during the forward (one attention KV-cache group "
         "only); async: load between steps; auto: layerwise when possible, else async",
     ),
-    "load_prefetch_rows": (_int_in(1, 64), 2, "rows loaded ahead of the forward (layerwise)"),
-    "load_workers": (_int_in(1, 32), 2, "threads reading the store for loads"),
-    "dump_workers": (_int_in(1, 32), 2, "threads of the dump scheduler"),
-    "dump_queue_capacity": (_int_in(1, 1 << 20), 1024, "dumps in flight before back-pressure"),
-    "dump_on_full": (_one_of(*ON_FULL), "skip", "queue full: skip the dump or wait briefly"),
-    "dump_full_wait_s": (_seconds, 0.002, "longest wait for a queue slot (dump_on_full=wait)"),
+    "load_prefetch_rows": (v.int_in(1, 64), 2, "rows loaded ahead of the forward (layerwise)"),
+    "load_workers": (v.int_in(1, 32), 2, "threads reading the store for loads"),
+    "dump_workers": (v.int_in(1, 32), 2, "threads of the dump scheduler"),
+    "dump_queue_capacity": (v.int_in(1, 1 << 20), 1024, "dumps in flight before back-pressure"),
+    "dump_on_full": (v.one_of(*ON_FULL), "skip", "queue full: skip the dump or wait briefly"),
+    "dump_full_wait_s": (v.seconds, 0.002, "longest wait for a queue slot (dump_on_full=wait)"),
     "dump_exit_flush_s": (
-        _seconds,
+        v.seconds,
         None,
         "longest wait for dumps in flight at connector shutdown and at process exit (then "
         "they are counted lost); default: UCM_PATCH_DUMP_EXIT_FLUSH_S, else 10 s",
     ),
     "blocking_finish": (
-        _bool,
+        v.flag,
         False,
         "get_finished waits for a finished request's dumps (UCM #989 behaviour) instead "
         "of reporting it in a later step",
@@ -112,13 +80,10 @@ CONNECTOR_KEYS: dict[str, tuple[Callable[[str, object], Any], Any, str]] = {
 
 @dataclass(frozen=True)
 class ConnectorConfig:
-    """The validated ``kv_connector_extra_config``."""
+    """The validated ``kv_connector_extra_config``: the store's part parsed once into
+    :attr:`store_config` (what ``make_store`` builds from), the connector's keys below."""
 
-    store_kind: str
-    store: dict[str, Any]
-    """Every store key with its parsed value (``parse_store_config`` output)."""
-    store_config: dict[str, Any]
-    """The store keys as the user gave them (what :func:`make_store` takes)."""
+    store_config: StoreConfig
     namespace: str | None = None
     load_mode: str = "auto"
     load_prefetch_rows: int = 2
@@ -129,7 +94,15 @@ class ConnectorConfig:
     dump_full_wait_s: float = 0.002
     dump_exit_flush_s: float | None = None
     blocking_finish: bool = False
-    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def store_kind(self) -> str:
+        return self.store_config.kind
+
+    @property
+    def store(self) -> Mapping[str, Any]:
+        """Every store key with its parsed value (read-only)."""
+        return self.store_config.values
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -142,8 +115,6 @@ class ConnectorConfig:
 
 def accepted_keys() -> list[str]:
     """Every key the connector accepts (connector keys and store keys)."""
-    from ucm_patch.hooks.stores import STORE_KEYS
-
     return sorted({*CONNECTOR_KEYS, *STORE_KEYS})
 
 
@@ -164,25 +135,15 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
                 f"kv_connector_extra_config: keys must be strings, got {key!r}"
             )
     store_part, rest = split_store_config(extra)
-    values: dict[str, Any] = {}
-    for key, value in rest.items():
-        spec = CONNECTOR_KEYS.get(key)
-        if spec is None:
+    for key in rest:
+        if key not in CONNECTOR_KEYS:
             raise ConnectorConfigError(
                 f"{key}: unknown kv_connector_extra_config key for UCMPatchConnector; "
                 f"accepted keys: {accepted_keys()}"
             )
-        values[key] = spec[0](key, value)
+    values = v.parse_table(CONNECTOR_KEYS, rest, ConnectorConfigError)
     try:
-        kind, store = parse_store_config(store_part)
+        store = parse_store_config(store_part)
     except StoreConfigError as exc:
         raise ConnectorConfigError(str(exc)) from exc
-    for key, (_parser, default, _help) in CONNECTOR_KEYS.items():
-        values.setdefault(key, default)
-    return ConnectorConfig(
-        store_kind=kind,
-        store=store,
-        store_config=dict(store_part),
-        raw=dict(extra),
-        **values,
-    )
+    return ConnectorConfig(store_config=store, **values)

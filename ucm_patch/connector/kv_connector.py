@@ -70,7 +70,7 @@ _register_lock = threading.Lock()
 
 def shared_store(config: ConnectorConfig) -> KVStore:
     """This process's store for ``config`` (created on first use, closed at exit)."""
-    key = json.dumps([config.store_kind, config.store], sort_keys=True, default=str)
+    key = json.dumps([config.store_kind, dict(config.store)], sort_keys=True, default=str)
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
