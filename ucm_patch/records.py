@@ -295,6 +295,12 @@ class PatchSet(namedtuple("PatchSet", ("name", "library", "description", "record
     records: tuple[PatchRecord, ...]
 
 
+def patch_sets(library: str, *modules: Any) -> tuple[PatchSet, ...]:
+    """One :class:`PatchSet` per patch module of ``library``, from what the module
+    declares: ``NAME``, ``DESCRIPTION`` and ``RECORDS`` (said once, in the module)."""
+    return tuple(PatchSet(m.NAME, library, m.DESCRIPTION, m.RECORDS) for m in modules)
+
+
 def table(
     name: str,
     distribution: str,

@@ -13,12 +13,13 @@ from ucm_patch.patches.vllm import (
     kv_ready_event,
     mla_bypass,
 )
-from ucm_patch.records import PatchSet
+from ucm_patch.records import PatchSet, patch_sets
 
-PATCH_SETS: tuple[PatchSet, ...] = (
-    cpu_block_size.PATCH_SET,
-    gdn_layerwise.PATCH_SET,
-    gdn_variants.PATCH_SET,
-    kv_ready_event.PATCH_SET,
-    mla_bypass.PATCH_SET,
+PATCH_SETS: tuple[PatchSet, ...] = patch_sets(
+    "vllm",
+    cpu_block_size,
+    gdn_layerwise,
+    gdn_variants,
+    kv_ready_event,
+    mla_bypass,
 )

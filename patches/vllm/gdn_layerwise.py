@@ -39,13 +39,15 @@ from __future__ import annotations
 from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks
-from ucm_patch.records import HOOKS, Kind, PatchRecord, PatchSet, table
+from ucm_patch.records import HOOKS, Kind, PatchRecord, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ucm_patch.records import Wrapper
 
 NAME = "gdn_layerwise"
+#: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
+DESCRIPTION = "Layerwise wait_for_layer_load / save_kv_layer for GDN linear-attention layers."
 
 WHY = (
     "vLLM never calls the KV connector from GDN / linear-attention layers, so a layerwise "
@@ -178,11 +180,4 @@ RECORDS: tuple[PatchRecord, ...] = table(
     skip_when=layerwise.idle,
     why=WHY,
     removal=REMOVAL,
-)
-
-PATCH_SET = PatchSet(
-    name=NAME,
-    library="vllm",
-    description="Layerwise wait_for_layer_load / save_kv_layer for GDN linear-attention layers.",
-    records=RECORDS,
 )

@@ -49,13 +49,18 @@ from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks
 from ucm_patch.patches.vllm.gdn_layerwise import make_method_wrapper
-from ucm_patch.records import HOOKS, Kind, PatchRecord, PatchSet, table
+from ucm_patch.records import HOOKS, Kind, PatchRecord, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ucm_patch.records import Wrapper
 
 NAME = "gdn_layerwise"
+#: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
+DESCRIPTION = (
+    "gdn_layerwise for Olmo-hybrid GDN, Kimi Linear KDA (and Kimi-K3) and the XPU GDN "
+    "op: layerwise wait/save on the core that runs eagerly."
+)
 
 WHY = (
     "vLLM never calls the KV connector from Olmo-hybrid GDN, Kimi Linear KDA or the XPU GDN "
@@ -183,14 +188,4 @@ RECORDS: tuple[PatchRecord, ...] = table(
     skip_when=layerwise.idle,
     why=WHY,
     removal=REMOVAL,
-)
-
-PATCH_SET = PatchSet(
-    name=NAME,
-    library="vllm",
-    description=(
-        "gdn_layerwise for Olmo-hybrid GDN, Kimi Linear KDA (and Kimi-K3) and the XPU GDN "
-        "op: layerwise wait/save on the core that runs eagerly."
-    ),
-    records=RECORDS,
 )

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _vllm_compat
-from ucm_patch.records import Kind, PatchRecord, PatchSet, table
+from ucm_patch.records import Kind, PatchRecord, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     from ucm_patch.records import Wrapper
 
 NAME = "kv_ready_event"
+#: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
+DESCRIPTION = "Opt-in device event recorded right after each layer's KV-cache write."
 
 WHY = (
     "Lets a layerwise dump wait on a device event recorded right after the layer's KV-cache "
@@ -289,11 +291,4 @@ RECORDS: tuple[PatchRecord, ...] = table(
     why=WHY,
     removal=REMOVAL,
     default=False,
-)
-
-PATCH_SET = PatchSet(
-    name=NAME,
-    library="vllm",
-    description="Opt-in device event recorded right after each layer's KV-cache write.",
-    records=RECORDS,
 )

@@ -25,13 +25,15 @@ from __future__ import annotations
 from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks
-from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.records import PatchRecord, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ucm_patch.records import Wrapper
 
 NAME = "mla_bypass"
+#: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
+DESCRIPTION = "Layerwise wait/save for Kimi-K3 MLA paths that bypass maybe_transfer_kv_layer."
 
 WHY = (
     "Kimi-K3's own MLA paths (vllm/models/kimi_k3/) bypass maybe_transfer_kv_layer, so a "
@@ -105,11 +107,4 @@ RECORDS: tuple[PatchRecord, ...] = table(
     skip_when=layerwise.idle,
     why=WHY,
     removal=REMOVAL,
-)
-
-PATCH_SET = PatchSet(
-    name=NAME,
-    library="vllm",
-    description="Layerwise wait/save for Kimi-K3 MLA paths that bypass maybe_transfer_kv_layer.",
-    records=RECORDS,
 )

@@ -15,11 +15,12 @@ from ucm_patch.patches.vllm_ascend import (
     reshape_cache_event,
     sfa_wait,
 )
-from ucm_patch.records import PatchSet
+from ucm_patch.records import PatchSet, patch_sets
 
-PATCH_SETS: tuple[PatchSet, ...] = (
-    gdn_layerwise.PATCH_SET,
-    reshape_cache_event.PATCH_SET,
-    hook_bindings.PATCH_SET,
-    sfa_wait.PATCH_SET,
+PATCH_SETS: tuple[PatchSet, ...] = patch_sets(
+    "vllm-ascend",
+    gdn_layerwise,
+    reshape_cache_event,
+    hook_bindings,
+    sfa_wait,
 )

@@ -58,7 +58,7 @@ from collections.abc import Callable
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm_ascend import _ascend_compat as compat
 from ucm_patch.patches.vllm_ascend import checks as c
-from ucm_patch.records import HOOKS, PatchRecord, PatchSet, table
+from ucm_patch.records import HOOKS, PatchRecord, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -67,6 +67,11 @@ if TYPE_CHECKING:
     from ucm_patch.records import Wrapper
 
 NAME = "gdn_layerwise"
+#: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
+DESCRIPTION = (
+    "gdn_layerwise on vLLM-Ascend: layerwise wait/save on the GDN core vLLM-Ascend really "
+    "runs, one save per GDN layer per step (the anonymous layer-counting save dropped)."
+)
 
 WHY = (
     "vLLM-Ascend runs its own GDN core (copied onto or subclassing vLLM's GDN layer), and "
@@ -362,14 +367,4 @@ RECORDS: tuple[PatchRecord, ...] = _CORE_RECORDS + table(
     make_wrapper=make_anonymous_filter,
     why=WHY_ANON,
     removal=REMOVAL,
-)
-
-PATCH_SET = PatchSet(
-    name=NAME,
-    library="vllm-ascend",
-    description=(
-        "gdn_layerwise on vLLM-Ascend: layerwise wait/save on the GDN core vLLM-Ascend really "
-        "runs, one save per GDN layer per step (the anonymous layer-counting save dropped)."
-    ),
-    records=RECORDS,
 )

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm_ascend import checks as c
-from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.records import PatchRecord, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,6 +46,11 @@ if TYPE_CHECKING:
     from ucm_patch.records import Wrapper
 
 NAME = "ascend_hook_bindings"
+#: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
+DESCRIPTION = (
+    "vLLM's has_connector_metadata() gate on every module's by-name binding of "
+    "vLLM-Ascend's wait/save hook functions."
+)
 
 WHY = (
     "vLLM-Ascend's wait/save hook functions skip the connector only when there is no "
@@ -132,14 +137,4 @@ RECORDS: tuple[PatchRecord, ...] = table(
     make_wrapper=make_gate,
     why=WHY,
     removal=REMOVAL,
-)
-
-PATCH_SET = PatchSet(
-    name=NAME,
-    library="vllm-ascend",
-    description=(
-        "vLLM's has_connector_metadata() gate on every module's by-name binding of "
-        "vLLM-Ascend's wait/save hook functions."
-    ),
-    records=RECORDS,
 )

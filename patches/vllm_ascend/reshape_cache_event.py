@@ -50,7 +50,7 @@ from collections.abc import Callable
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm_ascend import _npu
 from ucm_patch.patches.vllm_ascend import checks as c
-from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.records import PatchRecord, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -59,6 +59,12 @@ if TYPE_CHECKING:
     from ucm_patch.records import Wrapper
 
 NAME = "reshape_cache_event"
+#: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
+DESCRIPTION = (
+    "torch.npu.Event recorded right after each layer's KV-cache write where vLLM-Ascend "
+    "records none (non-producers, kv_both MLA, everything from 0.23), stored on the "
+    "layer's metadata as reshape_cache_event."
+)
 
 WHY = (
     "A layerwise dump must wait for the layer's KV-cache write before reading it. "
@@ -257,15 +263,4 @@ RECORDS: tuple[PatchRecord, ...] = table(
     ),
     why=WHY,
     removal=REMOVAL,
-)
-
-PATCH_SET = PatchSet(
-    name=NAME,
-    library="vllm-ascend",
-    description=(
-        "torch.npu.Event recorded right after each layer's KV-cache write where vLLM-Ascend "
-        "records none (non-producers, kv_both MLA, everything from 0.23), stored on the "
-        "layer's metadata as reshape_cache_event."
-    ),
-    records=RECORDS,
 )

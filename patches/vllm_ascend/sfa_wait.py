@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm_ascend import checks as c
-from ucm_patch.records import PatchRecord, PatchSet, table
+from ucm_patch.records import PatchRecord, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from ucm_patch.records import Wrapper
 
 NAME = "ascend_sfa_wait"
+#: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
+DESCRIPTION = (
+    "The layerwise wait vLLM-Ascend 0.13-0.18 skips in SFA's mlapo branch, done once at "
+    "the top of AscendSFAImpl.forward."
+)
 
 WHY = (
     "vLLM-Ascend 0.13-0.18 AscendSFAImpl.forward skips wait_for_kv_layer_from_connector in its "
@@ -127,14 +132,4 @@ RECORDS: tuple[PatchRecord, ...] = table(
     why=WHY,
     removal=REMOVAL,
     retired="vLLM-Ascend 0.19.1rc1 waits in the mlapo branch of AscendSFAImpl.forward itself.",
-)
-
-PATCH_SET = PatchSet(
-    name=NAME,
-    library="vllm-ascend",
-    description=(
-        "The layerwise wait vLLM-Ascend 0.13-0.18 skips in SFA's mlapo branch, done once at "
-        "the top of AscendSFAImpl.forward."
-    ),
-    records=RECORDS,
 )
