@@ -126,30 +126,23 @@ class DumpClient:
                     "scheduler is shut down"
                 )
             self._take_done()
-            reqs = self._reqs
             for rid in ids:
-                req = reqs.get(rid)
+                req = self._reqs.get(rid)
                 if req is not None and req.finished_ns:
                     raise ValueError(
                         f"DumpClient.open_batch: request id {rid!r} was already passed to "
                         "get_finished and its dumps are still tracked"
                     )
+        # Counted live before any request can wait on it (RuntimeError once shut down):
+        # a batch is registered here only once the scheduler knows it.
+        self.scheduler.batch_opened()
+        with self._lock:
+            reqs = self._reqs
             for rid in ids:
                 req = reqs.get(rid)
                 if req is None:
                     req = reqs[rid] = _Request()
                 req.batches.append(batch)
-        try:
-            self.scheduler.batch_opened()
-        except RuntimeError:  # shut down meanwhile: the batch never runs, forget it
-            with self._lock:
-                for rid in ids:
-                    req = reqs.get(rid)
-                    if req is not None and batch in req.batches:
-                        req.batches.remove(batch)
-                        if not req.batches and not req.finished_ns:
-                            del reqs[rid]
-            raise
         return batch
 
     # -- called by the scheduler --------------------------------------------------------
