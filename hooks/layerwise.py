@@ -399,48 +399,26 @@ def kv_ready_wrapper(site: KVReadySite, record: Callable[[str], Any]) -> Wrapper
     probe = _connector_probe()  # binds first: layer_metadata below can read the context
     index, key, default, resolve = site.index, site.key, site.default, site.resolve_name
     required = default is _REQUIRED
-    metadata, publish = layer_metadata, kv_ready
+    metadata, publish, after = layer_metadata, kv_ready, site.after
 
-    # Two variants, each inline: this runs once per layer per step, where a shared helper
-    # would cost a Python call (bench_hooks.py measures the wrappers).
-    def kv_ready_after_call(
+    def kv_ready_wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        result = wrapped(*args, **kwargs)
+        if after:  # the call is the write: publish once it returned
+            result = wrapped(*args, **kwargs)
         if probe._KV_CONNECTOR_AGENT is not None:
-            raw = (
-                args[index]
-                if len(args) > index
-                else kwargs[key]
-                if required
-                else kwargs.get(key, default)
-            )
+            if len(args) > index:
+                raw = args[index]
+            else:
+                raw = kwargs[key] if required else kwargs.get(key, default)
             layer_name = resolve(raw)
             if layer_name:
                 md = metadata(layer_name)
                 if md is not None:
                     publish(layer_name, record(layer_name), md)
-        return result
+        return result if after else wrapped(*args, **kwargs)
 
-    def kv_ready_before_call(
-        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        if probe._KV_CONNECTOR_AGENT is not None:
-            raw = (
-                args[index]
-                if len(args) > index
-                else kwargs[key]
-                if required
-                else kwargs.get(key, default)
-            )
-            layer_name = resolve(raw)
-            if layer_name:
-                md = metadata(layer_name)
-                if md is not None:
-                    publish(layer_name, record(layer_name), md)
-        return wrapped(*args, **kwargs)
-
-    return kv_ready_after_call if site.after else kv_ready_before_call
+    return kv_ready_wrapper
 
 
 def idle() -> bool:
