@@ -230,7 +230,9 @@ def run(steps: int, requests: int, blocks: int) -> dict[str, Any]:
         step_no[0] += 1
         s = step_no[0]
         dumps = {
-            f"s{s}-r{r}": [(0, 1 + r * blocks + b, f"{s:08x}{r:04x}{b:04x}") for b in range(blocks)]
+            f"s{s}-r{r}": [
+                (0, (1 + r * blocks + b,), f"{s:08x}{r:04x}{b:04x}") for b in range(blocks)
+            ]
             for r in range(requests)
         }
         return UCMConnectorMetadata(step=s, dumps=dumps if dump else {}, pinned=True)

@@ -177,7 +177,8 @@ def plot_stores(d: dict[str, Any], path: Path) -> None:
 
     plt = _plt()
     sizes = d.get("sizes", {})
-    fig, axes = plt.subplots(1, max(1, len(sizes)), figsize=(11, 3.6), squeeze=False)
+    n = max(1, len(sizes))
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 3.8), squeeze=False)
     for ax, (label, sd) in zip(axes[0], sizes.items(), strict=False):
         res = sd["results"]
         mem = statistics.median(res["memcpy"]["memcpy into preallocated"])

@@ -1,12 +1,14 @@
 """Put/get throughput of the stores against the memory-copy ceiling of the same run.
 
-usage: bench_stores.py [--stores local,mooncake] [--sizes 64KiB,2MiB] [--total 128MiB]
+usage: bench_stores.py [--stores local,mooncake] [--sizes 64KiB,1MiB,2MiB] [--total 128MiB]
                        [--repeat 3] [--out bench-results] [--local-dir DIR] [--quick]
 
-Two value sizes: 64 KiB (a GPU page: 16 tokens of one layer) and 2 MiB (a CPU hybrid
-page), ``--total`` bytes of distinct random values each, in batches of 2 MiB of values
-(32 and 1 values: what one dump batch of a layer writes). MiB/s of payload, median and
-best of ``--repeat`` rounds:
+The values the connector stores (docs/CONNECTOR.md#chunks): 1 MiB, a GPU chunk (16 pages
+of 64 KiB: Qwen3-8B's 16-token blocks, the default 256-token chunk), and 2 MiB (a CPU
+hybrid page); and 64 KiB, one GPU page per value (the layout before chunks: reported,
+not a target). ``--total`` bytes of distinct random values each, in batches of 2 MiB of
+values (what one dump batch of a layer writes). MiB/s of payload, median and best of
+``--repeat`` rounds:
 
 * ``memcpy``: slice-assigning every value into one preallocated bytearray (the ceiling
   of a copy), ``bytes()`` copies kept alive, and the XXH3 checksum every put and get
@@ -23,9 +25,12 @@ best of ``--repeat`` rounds:
   design was compared with (docs/CONNECTOR.md#store): py-lmdb holding the values (pages
   changed in place, no sync) and one file per value (open, writev, close; preadv back),
   nothing else around them.
-* ``mooncake``: through a Mooncake master + storage node on loopback; ``mooncake client
-  (ceiling)``: the client's own ``batch_put_from`` / ``batch_get_into`` on a registered
-  buffer already holding the values. Mooncake clients listen on 0.0.0.0, so when
+* ``mooncake``: through a Mooncake master + storage node on loopback, values in ordinary
+  memory (staged: copied into the store's registered buffer); ``values in registered
+  memory``: the values lie in a buffer registered with the client, as the connector's
+  staging buffers are (puts zero-copy, ``batch_put_from_multi_buffers``); ``mooncake
+  client (ceiling)``: the client's own ``batch_put_from`` / ``batch_get_into`` on a
+  registered buffer already holding the values. Mooncake clients listen on 0.0.0.0, so when
   ``MOONCAKE_MASTER`` is not set the whole benchmark re-runs itself under
   ``scripts/mooncake_netns.sh`` (private network namespace).
 
@@ -48,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ucm_patch.connector.layout import CHUNK_TOKENS
 from ucm_patch.hooks.stores import framing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,6 +61,10 @@ from bench_common import memcpy_share  # scripts/ is not a package
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
+# A GPU page: Qwen3-8B's 16-token block of one layer (8 KV heads of 128, bf16, K and V),
+# and the value the connector makes of them (CHUNK_TOKENS of pages back to back).
+GPU_PAGE = 16 * 8 * 128 * 2 * 2
+GPU_CHUNK = CHUNK_TOKENS // 16 * GPU_PAGE
 BATCH_BYTES = 2 * MiB
 SEGMENT = 16 * MiB
 SHM = Path("/dev/shm")
@@ -362,6 +372,38 @@ def bench_store(
     return out
 
 
+def bench_mooncake_registered(store: Any, values: list[bytes], batch: int, repeat: int) -> dict:
+    """The store's put_many / get_many_into with the values inside memory registered with
+    the client (what the connector's staging buffers are): puts are zero-copy."""
+    import ctypes
+
+    total = sum(len(v) for v in values)
+    region = bytearray(total)
+    view = memoryview(region)
+    spans, off = [], 0
+    for v in values:
+        view[off : off + len(v)] = v
+        spans.append(view[off : off + len(v)])
+        off += len(v)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    if not store.register_host_memory(addr, total):
+        raise SystemExit("bench: mooncake refused to register the values' buffer")
+    out: dict[str, list[float]] = {}
+    arena = memoryview(bytearray(total))
+    before = store.stats["zero_copy_puts"]
+    try:
+        for r in range(repeat):
+            tag = f"bench-zc/{len(values[0])}/{r}"
+            rates = _round(store, [(f"{tag}/{i}", s) for i, s in enumerate(spans)], batch, arena)
+            for op, rate in rates.items():
+                out.setdefault(op, []).append(rate)
+    finally:
+        store.unregister_host_memory(addr)
+    if store.stats["zero_copy_puts"] - before != repeat * len(values):
+        raise SystemExit("bench: a put from registered memory was not zero-copy")
+    return out
+
+
 def run_size(args: argparse.Namespace, size: int, base: Path, mooncake: Any) -> dict:
     """Every path for values of ``size`` bytes."""
     count = max(4, args.total // size)
@@ -399,10 +441,31 @@ def run_size(args: argparse.Namespace, size: int, base: Path, mooncake: Any) -> 
         results["mooncake (TCP loopback, node)"] = bench_store(
             lambda r: mooncake, values, batch, args.repeat, close=False
         )
+        results["mooncake, values in registered memory (zero-copy put)"] = (
+            bench_mooncake_registered(mooncake, values, batch, args.repeat)
+        )
         results["mooncake client (ceiling)"] = bench_mooncake_client(
             mooncake, values, batch, args.repeat
         )
-    return {"count": count, "size": size, "batch": batch, "results": results}
+    return {
+        "count": count,
+        "size": size,
+        "batch": batch,
+        "what": _what(size),
+        # the targets hold for what the connector stores: chunks and hybrid pages
+        "judged": size >= GPU_CHUNK,
+        "results": results,
+    }
+
+
+def _what(size: int) -> str:
+    if size == GPU_PAGE:
+        return "one GPU page per value (before chunks)"
+    if size == GPU_CHUNK:
+        return f"a GPU chunk: {GPU_CHUNK // GPU_PAGE} pages of {GPU_PAGE >> 10} KiB"
+    if size == 2 * MiB:
+        return "a CPU hybrid page"
+    return "values"
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -476,7 +539,9 @@ def table(report: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--stores", default="local,mooncake", help="comma list: local, mooncake")
-    ap.add_argument("--sizes", default="64KiB,2MiB", help="value sizes (default 64KiB,2MiB)")
+    ap.add_argument(
+        "--sizes", default="64KiB,1MiB,2MiB", help="value sizes (default 64KiB,1MiB,2MiB)"
+    )
     ap.add_argument("--total", default="128MiB", help="bytes of values per size and round")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (median and best shown)")
     ap.add_argument("--out", default=str(REPO / "bench-results"), help="JSON output folder")

@@ -123,7 +123,7 @@ def layer_kinds(config: dict[str, Any]) -> dict[str, list[str]]:
 
 def prompts(block: int, seed: int = 1) -> tuple[list[int], list[int], int]:
     """(P, Q, shared): ``PROMPT_LEN`` tokens each, sharing their first 80 % in whole
-    blocks (``shared`` tokens)."""
+    ``block``-token units (``shared`` tokens; the connector's hit unit)."""
     import random
 
     rng = random.Random(seed)
@@ -215,15 +215,19 @@ def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
     kind = {"hooks": "standin", "offload": "offloading"}.get(mode, "ucm")
     llm = _llm(model, _ktc(kind, store), hybrid)
     block = llm.llm_engine.vllm_config.cache_config.block_size
-    p, q, shared = prompts(block)
-    _ttft(llm, prompts(block, seed=99)[0], salt="warm-up")  # compile, capture, allocate
-    out: dict[str, Any] = {"block_size": block, "shared": shared}
+    unit = block  # a hit is whole chunks of our connector (KVLayout.unit): read it there
+    if kind == "ucm":
+        from ucm_patch import connector
+
+        found = connector.active_connectors()
+        unit = found[0].layout.unit if found else block
+    p, q, shared = prompts(unit)
+    _ttft(llm, prompts(unit, seed=99)[0], salt="warm-up")  # compile, capture, allocate
+    out: dict[str, Any] = {"block_size": block, "unit": unit, "shared": shared}
     if mode == "hooks":
         _generate(llm, p)
         out["applied"] = [r["id"] for r in ucm_patch.report() if r["state"] == "applied"]
     elif mode == "dump":
-        from ucm_patch import connector
-
         connector.wait_for_dumps(600)  # the warm-up's dumps are not P's
         before = connector.stats()["bytes_written"]
         t0 = time.perf_counter()
@@ -321,8 +325,8 @@ def judge(name: str, config: dict[str, Any], runs: dict[str, Any]) -> dict[str, 
         col["hit"] = f"refused at start: {dump['refused']}"
         ok &= load["hit_ttft"]["num_cached_tokens"] == 0 and dump["dump_bytes"] == 0
     elif dump and load:
-        block = load["block_size"]
-        want = load["shared"] // block * block
+        unit = load.get("unit", load["block_size"])
+        want = load["shared"] // unit * unit
         ref, hit = dump["recompute"], load["hit"]
         diff = max(
             (abs(a - b) for a, b in zip(ref["logprobs"], hit["logprobs"], strict=False)),

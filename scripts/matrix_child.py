@@ -120,6 +120,16 @@ def _prompts(llm: Any) -> tuple[list[int], list[int], list[int]]:
     return prefix, [*prefix, 5, 6, 7], [*prefix, 8, 9, 10, 11]
 
 
+def _hit_unit(llm: Any) -> int:
+    """Tokens of one hit unit: whole chunks of vLLM's block size, as the connector's
+    ``KVLayout`` derives them with its default ``chunk_tokens`` (the engine core may be
+    another process here, so it is derived, not read)."""
+    from ucm_patch.connector.layout import CHUNK_TOKENS, attention_chunk_blocks
+
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    return attention_chunk_blocks(block, CHUNK_TOKENS) * block
+
+
 def _wait_for_dumps() -> None:
     from ucm_patch import connector
 
@@ -148,6 +158,7 @@ def run_e2e_load(model: str, store: str) -> dict[str, Any]:
     return {
         "hit": _generate(llm, p2),
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+        "unit": _hit_unit(llm),
     }
 
 

@@ -209,9 +209,10 @@ def judge_gdn(
 
 
 def judge_e2e(dump: dict[str, Any], load: dict[str, Any]) -> dict[str, Any]:
-    """The connector e2e verdict: a hit of the prefix's full blocks and the same output."""
+    """The connector e2e verdict: a hit of the prefix's whole chunks and the same output."""
     block = load["block_size"]
-    want_hit = (dump["prefix_len"] // block) * block
+    unit = load.get("unit", block)
+    want_hit = (dump["prefix_len"] // unit) * unit
     ref, hit = dump["reference"], load["hit"]
     same = ref["tokens"] == hit["tokens"]
     pairs = zip(ref["logprobs"], hit["logprobs"], strict=False)  # lengths: max_tokens each

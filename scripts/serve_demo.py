@@ -28,6 +28,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from ucm_patch.connector.layout import CHUNK_TOKENS, attention_chunk_blocks
+
 REPO = Path(__file__).resolve().parent.parent
 SERVED_NAME = "tiny"
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
@@ -188,6 +190,13 @@ def block_size(metrics: dict[str, dict[str, Any]]) -> int:
     return int(metrics["vllm:cache_config_info"]["labels"]["block_size"])
 
 
+def hit_unit(metrics: dict[str, dict[str, Any]]) -> int:
+    """Tokens of one stored chunk (and hit unit) at that block size, as the connector derives
+    it with its default ``chunk_tokens`` (a hybrid model's blocks are larger: one block)."""
+    size = block_size(metrics)
+    return attention_chunk_blocks(size, CHUNK_TOKENS) * size
+
+
 def prompt_ids(n: int, seed: int = 1) -> list[int]:
     """``n`` token ids from a fixed stream (the tiny models' vocabulary is 1024 ids)."""
     state, out = seed, []
@@ -205,8 +214,9 @@ def run(model: Path, work: Path, blocks: int = 2) -> dict[str, Any]:
     it from the store (``restored``). ``restored`` must equal ``cached``: same hit, same
     split of the prompt, same logprobs (with bf16 a one-pass prefill differs from a
     continued one in the last bits, so ``computed`` is the reference only in float32).
-    The prompt is ``blocks`` full blocks and a partial one of the block size the first
-    server reports (``vllm:cache_config_info``; it depends on the model and the CPU).
+    The prompt is ``blocks`` whole stored chunks (:func:`hit_unit`) and a partial block, of
+    the block size the first server reports (``vllm:cache_config_info``; it depends on the
+    model and the CPU).
     """
     store = work / "store"
     prompt: list[int] = []
@@ -215,8 +225,7 @@ def run(model: Path, work: Path, blocks: int = 2) -> dict[str, Any]:
         with Server(model, store, work / f"{name}.log") as server:
             before = scrape(server.base)
             if not prompt:
-                size = block_size(before)
-                prompt = prompt_ids(blocks * size + size // 3)
+                prompt = prompt_ids(blocks * hit_unit(before) + block_size(before) // 3)
             results = {
                 "restored" if name == "restarted" else "computed": complete(server.base, prompt)
             }

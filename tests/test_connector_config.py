@@ -172,7 +172,7 @@ def hybrid_config(mode: str = "align") -> tuple[KVCacheConfig, int]:
 
 def test_hybrid_layout_one_row_two_group_kinds_async_loads() -> None:
     kvcc, page = hybrid_config()
-    lay = KVLayout.from_vllm(vllm_config(block_size=8), kvcc)
+    lay = KVLayout.from_vllm(vllm_config(block_size=8), kvcc, chunk_tokens=8)
     assert len(lay.rows) == 1  # both layers' pages alias: one storage row
     assert lay.rows.rows[0].save_layer == "model.layers.1.self_attn.attn"
     assert [g.kind for g in lay.groups] == ["mamba", "attention"]

@@ -73,11 +73,11 @@ def prefill(
 def test_full_blocks_are_dumped_once_per_row(store: Store) -> None:
     h = Harness(UCMPatchConnector)
     _req, md, pages = prefill(h, "a", [1, 2, 3, 4])
-    assert [bid for _g, bid, _h in md.dumps["a"]] == [1, 2, 3]  # block 4 is partial
+    assert [bid for _g, (bid,), _h in md.dumps["a"]] == [1, 2, 3]  # block 4 is partial
     assert md.pinned is False  # no block pool bound: pages copied before save returned
     assert len(store) == 3 * len(LAYERS)
     layout = h.worker.layout
-    for i, (_g, bid, block_hash) in enumerate(md.dumps["a"]):
+    for i, (_g, (bid,), block_hash) in enumerate(md.dumps["a"]):
         for row in range(len(LAYERS)):
             assert store.payload(layout.key(block_hash, 0, row, 0)) == pages[(row, bid)], i
     # the next decode step fills no new block: nothing more is planned
@@ -183,7 +183,7 @@ def test_recomputed_blocks_are_dumped_again_after_a_rollback(store: Store) -> No
     h.step(so([new_req("b", [[5, 6, 7, 8]], 0)], scheduled={"b": 13}))
     # vLLM rolled b back to token 4 (first invalid block) and recomputes from there
     md = h.step(so(cached=[("b", 4, None)], scheduled={"b": 9}))
-    assert [bid for _g, bid, _h in md.dumps.get("b", [])] == [6, 7]
+    assert [bid for _g, (bid,), _h in md.dumps.get("b", [])] == [6, 7]
 
 
 def test_spec_decode_draft_positions_never_complete_a_block(store: Store) -> None:
@@ -191,14 +191,14 @@ def test_spec_decode_draft_positions_never_complete_a_block(store: Store) -> Non
     req = Req("a", list(range(6)))
     h.sched.update_state_after_alloc(req, blocks([1, 2]), 0)
     md = h.step(so([new_req("a", [[1, 2]], 0)], scheduled={"a": 6}))
-    assert [bid for _g, bid, _h in md.dumps["a"]] == [1]
+    assert [bid for _g, (bid,), _h in md.dumps["a"]] == [1]
     # hashes already cover block 1 (e.g. tokens known ahead with async scheduling), but
     # this step computes 1 real token + 2 draft positions: block 1 is not complete
     req.block_hashes = Req("x", list(range(8))).block_hashes
     md = h.step(so(cached=[("a", 6, None)], scheduled={"a": 3}, spec_tokens={"a": [1, 2]}))
     assert md.dumps == {}
     md = h.step(so(cached=[("a", 7, None)], scheduled={"a": 1}))
-    assert [bid for _g, bid, _h in md.dumps["a"]] == [2]
+    assert [bid for _g, (bid,), _h in md.dumps["a"]] == [2]
 
 
 def test_delayed_free_exactly_for_requests_with_dumps(store: Store) -> None:
@@ -373,7 +373,7 @@ def test_blocks_served_by_vllms_prefix_cache_are_not_dumped_again(store: Store) 
         h.sched.update_state_after_alloc(req, blocks(ids), 0)
         md = h.step(so([new_req(rid, [ids], local)], scheduled={rid: len(tokens) - local}))
         assert connector.wait_for_dumps(WAIT_S)
-        return [bid for _g, bid, _h in md.dumps.get(rid, [])]
+        return [bid for _g, (bid,), _h in md.dumps.get(rid, [])]
 
     before = connector.stats()["dump_blocks_already_stored"]
     assert next_turn("b", 500) == [6, 7]  # before: [1, 2, 3, 6, 7], the prefix stored again

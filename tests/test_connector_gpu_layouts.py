@@ -13,6 +13,7 @@ K / V by (token, head, dim). Block ids past the cache never reach a gather or a 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -63,8 +64,10 @@ def kv_cache_config_022() -> SimpleNamespace:
 class GpuHarness(Harness):
     """Harness steps over per-layer caches in a backend's layout (not one flat buffer)."""
 
-    def __init__(self, backend: str, order: tuple[int, ...]) -> None:
-        self.cfg = vllm_config(block_size=BS)
+    def __init__(
+        self, backend: str, order: tuple[int, ...], extra: dict[str, Any] | None = None
+    ) -> None:
+        self.cfg = vllm_config(extra, block_size=BS)
         self.kvcc = kv_cache_config_022()
         self.layers = LAYERS
         self.backend = backend
@@ -97,7 +100,7 @@ def test_dump_and_load_across_gpu_layouts(store: ControlledLocalStore, writer, r
     a.sched.get_num_new_matched_tokens(req, 0)
     a.sched.update_state_after_alloc(req, blocks([3, 7, 11, 2]), 0)
     md = a.step(so([new_req("a", [[3, 7, 11, 2]], 0)], scheduled={"a": len(TOKENS)}))
-    assert [bid for _g, bid, _h in md.dumps["a"]] == [3, 7, 11]
+    assert [bid for _g, (bid,), _h in md.dumps["a"]] == [3, 7, 11]
     assert connector.wait_for_dumps(30.0)
 
     b = GpuHarness(*reader)

@@ -80,7 +80,7 @@ def test_attention_blocks_and_offered_state_are_dumped(store: Store, era: str) -
     h = harness()
     pages, entries = prefill_a(h, era)
     hashes = Req("a", TOKENS, block_size=8).block_hashes
-    assert [(g, bid) for g, bid, _h in entries] == [(ATTN, 5), (ATTN, 6), (GDN, 3)]
+    assert [(g, bid) for g, (bid,), _h in entries] == [(ATTN, 5), (ATTN, 6), (GDN, 3)]
     assert entries[2][2] == hashes[1].hex()  # the state after token 16 <-> block hash 1
     layout = h.sched.layout
     assert store.payload(layout.key(hashes[1].hex(), GDN, 0, 0)) == pages[3]
@@ -169,6 +169,6 @@ def test_each_mamba_group_dumps_its_state_at_a_shared_boundary(store: Store) -> 
             block_state=block_state(tables, offers),
         )
     )
-    states = sorted((g, bid) for g, bid, _h in md.dumps["r"] if g < 3)
+    states = sorted((g, bid) for g, (bid,), _h in md.dumps["r"] if g < 3)
     assert states == [(0, 3), (1, 4), (2, 5)]
     assert {h for g, _b, h in md.dumps["r"] if g < 3} == {req.block_hashes[1].hex()}

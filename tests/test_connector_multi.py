@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
 from tests.support.connector_harness import (  # store_fixture: the ``store`` fixture
+    BS,
     ControlledLocalStore,
     Harness,
     Req,
@@ -101,6 +102,7 @@ def multi(sibling: str, hma: bool) -> Harness:
             "kv_connector": "UCMPatchConnector",
             "kv_connector_module_path": "ucm_patch.connector",
             "kv_role": "kv_both",
+            "kv_connector_extra_config": {"chunk_tokens": BS},  # a value per block
         },
         {
             "kv_connector": sibling,

@@ -268,6 +268,6 @@ def test_connector_shutdown_waits_for_dumps_a_slow_store_finishes(
     threading.Timer(0.2, store.release).start()
     assert h.worker._worker_side.shutdown() is True
     layout = h.worker.layout
-    for _g, bid, block_hash in md.dumps["a"]:
+    for _g, (bid,), block_hash in md.dumps["a"]:
         for row in range(len(layout.rows)):
             assert store.payload(layout.key(block_hash, 0, row, 0)) == pages[(row, bid)]

@@ -51,7 +51,7 @@ def test_steps_reuse_the_staging_buffers_and_give_every_one_back(
         ids = [3 + step, 7 + step, 11 + step, 2]
         a.sched.update_state_after_alloc(req, blocks(ids), 0)
         md = a.step(so([new_req(f"r{step}", [ids], 0)], scheduled={f"r{step}": len(tokens)}))
-        assert [bid for _g, bid, _h in md.dumps[f"r{step}"]] == ids[:3]
+        assert [bid for _g, (bid,), _h in md.dumps[f"r{step}"]] == ids[:3]
         assert connector.wait_for_dumps(30.0)
         assert ws.internal_sizes()["staging_lent"] == 0
     assert len(store) == STEPS * 3 * len(LAYERS)

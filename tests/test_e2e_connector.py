@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.connector_child import prompt, run_child
+from tests.support.connector_child import prompt, run_child, whole_units
 
 PREFIX = prompt(1, 300)  # full blocks + a partial one (vLLM CPU picks 128-token blocks)
 R1 = [*PREFIX, 5, 6, 7]
@@ -113,10 +113,9 @@ def delta(run: dict[str, Any], before: str, after: str, key: str) -> int:
 
 
 def prefix_hit(run: dict[str, Any], tokens: int = len(PREFIX)) -> int:
-    """Tokens of ``tokens`` in whole blocks of the block size vLLM chose for ``run``."""
-    block = run["vllm"]["block_size"]
-    assert run["layout"]["unit"] == block
-    return tokens // block * block
+    """Tokens of ``tokens`` in whole hit units (chunks of the block size vLLM chose)."""
+    assert run["layout"]["unit"] % run["vllm"]["block_size"] == 0
+    return whole_units(run, tokens)
 
 
 def test_request1_dumps_its_full_blocks(local_run: dict[str, Any]) -> None:
@@ -191,7 +190,8 @@ def test_new_process_hits_through_multiconnector(
 
 def test_multiconnector_counts_delayed_frees(restart_run: dict[str, Any]) -> None:
     r4 = restart_run["r4"]["stats"]
-    assert r4["dump_blocks"] == len(R4) // restart_run["vllm"]["block_size"] >= 2
+    block = restart_run["vllm"]["block_size"]
+    assert r4["dump_blocks"] == whole_units(restart_run, len(R4)) // block >= 2
     final = restart_run["final_stats"]
     # Every request our child delayed was reported finished_sending exactly once, and
     # MultiConnector freed it: no request left in the scheduler, every block free.
@@ -230,8 +230,8 @@ def test_multiprocess_layout_hits_and_releases_blocks(multiprocess_run: dict[str
     # reported back from the worker process and released by the engine-core process.
     assert multiprocess_run["flush1"]["reset"]
     # (worker processes: the child cannot read the layout; the engine's block size it can)
-    block = multiprocess_run["vllm"]["block_size"]
-    assert multiprocess_run["r2"]["num_cached_tokens"] == len(PREFIX) // block * block > 0
+    hit = whole_units(multiprocess_run, len(PREFIX))
+    assert multiprocess_run["r2"]["num_cached_tokens"] == hit > 0
     assert multiprocess_run["r2_recomputed"]["num_cached_tokens"] == 0
     same_output(multiprocess_run["r2"], multiprocess_run["r2_recomputed"])
     assert multiprocess_run["flush2"]["reset"]

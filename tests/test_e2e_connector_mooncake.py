@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.connector_child import prompt, run_child
+from tests.support.connector_child import prompt, run_child, whole_units
 
 PREFIX = prompt(1, 300)
 R1 = [*PREFIX, 5, 6, 7]
@@ -51,10 +51,14 @@ def mooncake_run(
 
 def test_mooncake_request2_hits_and_matches_recompute(mooncake_run: dict[str, Any]) -> None:
     block = mooncake_run["vllm"]["block_size"]
-    hit = len(PREFIX) // block * block
+    hit = whole_units(mooncake_run, len(PREFIX))
     r1 = mooncake_run["r1"]["stats"]
-    assert r1["dump_blocks"] == len(R1) // block >= 2
+    assert r1["dump_blocks"] == whole_units(mooncake_run, len(R1)) // block >= 2
     assert r1["dumps_failed"] == r1["dumps_skipped"] == 0
+    # every dumped value went out from the connector's registered staging buffers
+    rows = {g["rows"] for g in mooncake_run["layout"]["groups"]}.pop()
+    values = whole_units(mooncake_run, len(R1)) // mooncake_run["layout"]["unit"] * rows
+    assert r1["store_zero_copy_puts"] == r1["store_puts"] == values > 0
     r2 = mooncake_run["r2"]
     assert r2["num_cached_tokens"] == hit
     assert r2["stats"]["hit_tokens"] == hit

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.connector_child import prompt, run_child
+from tests.support.connector_child import prompt, run_child, whole_units
 
 PREFIX = prompt(1, 300)
 R1 = [*PREFIX, 5, 6, 7]
@@ -76,22 +76,22 @@ def runs(tiny_qwen3_sharp: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 def test_each_rank_stores_its_shard_of_every_dumped_block(runs: dict[str, Any]) -> None:
     dump = runs["dump"]
     block = dump["vllm"]["block_size"]
-    assert dump["layout"]["unit"] == block
+    unit = dump["layout"]["unit"]
     rows = sum(g["rows"] for g in dump["layout"]["groups"])
-    full_blocks = len(R1) // block
+    full_blocks = whole_units(dump, len(R1)) // block
     assert full_blocks >= 2
     assert dump["r1"]["stats"]["dump_blocks"] == full_blocks
+    values = whole_units(dump, len(R1)) // unit * rows  # one per chunk and row
     keys = dump["keys"]
     assert sorted(keys) == [str(rank) for rank in range(TP)]
     for rank in keys.values():
-        assert rank == {"expected": full_blocks * rows, "present": full_blocks * rows}
+        assert rank == {"expected": values, "present": values}
     assert dump["flush"]["reset"], "blocks still held after the dumps finished"
 
 
 def test_fresh_process_hits_and_equals_the_reference(runs: dict[str, Any]) -> None:
     load = runs["load"]
-    block = load["vllm"]["block_size"]
-    hit = len(PREFIX) // block * block
+    hit = whole_units(load, len(PREFIX))
     r2 = load["r2"]
     assert r2["num_cached_tokens"] == hit > 0
     assert r2["stats"]["hit_tokens"] == hit

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.connector_child import prompt, run_children
+from tests.support.connector_child import prompt, run_children, whole_units
 
 PREFIX = prompt(3, 3000)
 R1 = [*PREFIX, 5, 6, 7]
@@ -280,7 +280,9 @@ def test_layerwise_loads_across_processes_attention_only(
         [
             ("dump", attention_only(extra, [gen("r", R1)])),
             ("load", attention_only(extra, two)),
-            ("plain", attention_only(None, [gen("r", R2), gen("r3", r3)])),
+            # r3 alone in a fresh process: the same hit, loaded whole in start_load_kv
+            ("load_whole", attention_only(extra, [gen("r3", r3)])),
+            ("plain", attention_only(None, two)),
         ],
         tmp,
     )
@@ -288,7 +290,7 @@ def test_layerwise_loads_across_processes_attention_only(
     (group,) = load["layout"]["groups"]
     block = group["block_size"]
     assert load["vllm"]["block_size"] == block
-    hit = min(len(PREFIX), len(R2) - 1) // block * block
+    hit = whole_units(load, min(len(PREFIX), len(R2) - 1))  # whole chunks of blocks
     first, second = load["r"], load["r3"]
     assert load["release"] == {"released": True, "reset": True}
     for r in (first, second):
@@ -297,6 +299,17 @@ def test_layerwise_loads_across_processes_attention_only(
     assert second["stats"]["loads_layerwise"] == 1
     assert second["stats"]["loads_async"] == 0
     assert second["stats"]["loaded_pages"] == 2 * hit // block * group["rows"]
+    # Row by row in the forward wrote exactly what a whole load writes: same logprobs,
+    # bit for bit (same stored KV, same split of the prefill).
+    whole = runs["load_whole"]["r3"]
+    assert whole["num_cached_tokens"] == hit and whole["stats"]["loads_sync_fallback"] == 1
+    assert second["logprobs"] == whole["logprobs"]
+    # And a recomputation agrees: the same tokens, logprobs to the last bits of bf16 (the
+    # hit's split of the prefill, whole chunks, is not where vLLM alone would split it).
+    plain = runs["plain"]
     for name in ("r", "r3"):
-        assert load[name]["tokens"] == runs["plain"][name]["tokens"]
-        assert load[name]["logprobs"] == runs["plain"][name]["logprobs"]
+        assert plain[name]["num_cached_tokens"] == 0
+        assert load[name]["tokens"] == plain[name]["tokens"]
+        pairs = zip(load[name]["logprobs"], plain[name]["logprobs"], strict=True)
+        diff = max(abs(a - b) for a, b in pairs)
+        assert diff < 1e-3, (name, diff)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.vllm
 
 
 sd = load_script("serve_demo")
-BLOCKS = 2  # full blocks in the prompt (plus a partial one)
+BLOCKS = 2  # whole stored chunks in the prompt (plus a partial block)
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3-sharp", "tiny-qwen3-next-3to1"])
@@ -53,16 +53,17 @@ def _total(m: dict[str, Any], family: str) -> float:
 def test_restarted_server_hits_the_store_like_vllms_own_cache(served: Any) -> None:
     first, restarted = served["first"], served["restarted"]
     size = sd.block_size(first["after"])
+    unit = sd.hit_unit(first["after"])
     assert sd.block_size(restarted["after"]) == size
-    assert first["computed"]["prompt_tokens"] == BLOCKS * size + size // 3
+    assert first["computed"]["prompt_tokens"] == BLOCKS * unit + size // 3
     # first server: nothing external; its rerun hits vLLM's own prefix cache
     local = _total(first["after"], "vllm:prefix_cache_hits") - _total(
         first["middle"], "vllm:prefix_cache_hits"
     )
-    assert local == BLOCKS * size
+    assert local == BLOCKS * unit
     assert _total(first["after"], sd.EXTERNAL_HITS) == 0
     # restarted server: the same tokens come from the store
-    assert _total(restarted["after"], sd.EXTERNAL_HITS) == BLOCKS * size
+    assert _total(restarted["after"], sd.EXTERNAL_HITS) == BLOCKS * unit
     assert _total(restarted["after"], "vllm:prefix_cache_hits") == 0
 
 
@@ -84,7 +85,7 @@ def test_metrics_show_the_connector_families_with_vllms_labels(served: Any) -> N
 
 def test_metrics_count_dumps_and_loads(served: Any) -> None:
     first, restarted = served["first"]["after"], served["restarted"]["after"]
-    size = sd.block_size(first)
+    unit = sd.hit_unit(first)
     completed = _total(first, "vllm:ucm_dumps_completed")
     assert completed > 0 and _total(first, "vllm:ucm_dumps_failed") == 0
     assert _total(first, "vllm:ucm_dumps_submitted") == completed
@@ -92,7 +93,7 @@ def test_metrics_count_dumps_and_loads(served: Any) -> None:
     hist = "vllm:ucm_dump_duration_seconds"
     assert sd.value(first, hist, f"{hist}_count") == completed
     assert first["vllm:ucm_store_used_bytes"]["samples"]["vllm:ucm_store_used_bytes"] > 0
-    assert _total(restarted, "vllm:ucm_hit_tokens") == BLOCKS * size
+    assert _total(restarted, "vllm:ucm_hit_tokens") == BLOCKS * unit
     assert _total(restarted, "vllm:ucm_load_bytes") > 0
     assert _total(restarted, "vllm:ucm_load_errors") == 0
     assert _total(restarted, "vllm:ucm_dumps_submitted") == 0  # loaded blocks: not again

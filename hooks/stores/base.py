@@ -1,8 +1,9 @@
 """The store interface the dump scheduler and the connector talk to.
 
 Keys are content-hash strings (block hash + layout coordinates such as storage row and
-rank); values are raw bytes of one block of one storage row. A store is shared by every
-thread of the dump scheduler's pool, so implementations must be thread-safe.
+rank); values are raw bytes of one chunk of blocks (or one state) of one storage row. A
+store is shared by every thread of the dump scheduler's pool, so implementations must be
+thread-safe.
 
 Contract (all stores, verified by the shared store test-suite, tests/support/store_contract.py):
 
@@ -85,6 +86,17 @@ class KVStore(ABC):
             buf[:] = value
             out.append(True)
         return out
+
+    def register_host_memory(self, addr: int, size: int) -> bool:
+        """Offer ``size`` bytes at ``addr``, a host buffer the caller keeps alive until
+        :meth:`unregister_host_memory`, for zero-copy transfers: a value put from inside it
+        is sent from there, without a copy into the store's own buffers. False: this store
+        has no use for it (the default: the local store copies into its segments anyway)."""
+        return False
+
+    def unregister_host_memory(self, addr: int) -> None:  # noqa: B027 - optional hook
+        """Withdraw a region :meth:`register_host_memory` accepted, before it is freed
+        (no put from it may be in flight)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release connections / handles. Idempotent."""

@@ -10,10 +10,19 @@ Design (measurements: docs/BENCHMARKS.md):
 * Setup uses P2PHANDSHAKE metadata and TCP by default. ``MC_STORE_CLIENT_SETUP_RETRIES``
   is set low (config ``mooncake_setup_retries``, default 1) so an absent master fails
   setup in ≈4 s with :class:`StoreError` instead of blocking ≈90 s.
-* Data moves through a small pool of *registered staging buffers*: ``put_many`` copies
-  frame header + payload into one (a single memcpy) and calls ``batch_put_from``;
+* **Zero-copy puts from registered memory.** The connector registers its (pinned) staging
+  buffers (:meth:`MooncakeStore.register_host_memory`); a value that lies inside one is
+  sent from there by ``batch_put_from_multi_buffers``, as two pieces: its frame header
+  (computed over the payload where it lies, written into a staging buffer) and the
+  payload itself; no copy on this side. Safe without a quarantine of the caller's
+  memory: a put only reads it, and a transfer that read it late after a failure stores
+  bytes its frame rejects (never served).
+* Other data moves through a small pool of *registered staging buffers*: ``put_many``
+  copies frame header + payload into one (a single memcpy) and calls ``batch_put_from``;
   ``get_many`` calls ``batch_get_into`` and copies each payload out into ``bytes``,
-  ``get_many_into`` (what loads use) straight into the caller's buffers. These
+  ``get_many_into`` (what loads use) straight into the caller's buffers. Gets stay
+  staged even into registered memory: a failed read can still complete into its buffer
+  later (below), and only a buffer of this store can be quarantined for that. These
   calls return one status per key, unlike ``put_batch`` (one status per batch) and
   ``get_batch`` / ``batch_get_buffer``, which answer "missing" when the client's local
   buffer is merely exhausted. Values larger than a staging buffer get a one-off buffer.
@@ -55,6 +64,7 @@ from ucm_patch.hooks.stores.framing import (
     copy_framed,
     key_bytes,
     load_store_key,
+    make_header,
     verify,
 )
 
@@ -150,6 +160,7 @@ class MooncakeStore(KVStore):
     ) -> None:
         super().__init__()
         self.stats["quarantined"] = 0
+        self.stats["zero_copy_puts"] = 0  # values sent from the caller's registered memory
         try:
             self._secret = load_store_key()
         except ValueError as exc:
@@ -171,6 +182,10 @@ class MooncakeStore(KVStore):
         self._pooled = staging_buffers
         self._closed = False
         self._slot = 256 << 10  # read slot size guess; grows to the largest value seen
+        # (address, size) of the caller's registered regions: a tuple replaced whole under
+        # the lock, so that a put reads it without one
+        self._regions: tuple[tuple[int, int], ...] = ()
+        self._regions_lock = threading.Lock()
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
@@ -211,6 +226,27 @@ class MooncakeStore(KVStore):
             raise
 
     # -- buffers --------------------------------------------------------------------------
+
+    def register_host_memory(self, addr: int, size: int) -> bool:
+        """Register the caller's buffer with the Mooncake client: puts from it are zero-copy
+        (module docstring). False (logged) when the client refuses it."""
+        self._check_usable()
+        rc = self._client.register_buffer(addr, size)
+        if rc != 0:
+            log.warning("mooncake store: register_buffer(%d bytes) failed: rc=%s", size, rc)
+            return False
+        with self._regions_lock:
+            self._regions = (*self._regions, (addr, size))
+        return True
+
+    def unregister_host_memory(self, addr: int) -> None:
+        with self._regions_lock:
+            kept = tuple(r for r in self._regions if r[0] != addr)
+            if len(kept) == len(self._regions):
+                return
+            self._regions = kept
+        if not self._closed and self._client.unregister_buffer(addr) != 0:
+            log.warning("mooncake store: unregister_buffer(0x%x) failed", addr)
 
     def _new_buffer(self, size: int, pooled: bool) -> _Buffer:
         buf = _Buffer(size, pooled)
@@ -342,22 +378,69 @@ class MooncakeStore(KVStore):
         return [stored[i] for i in slot_of]
 
     def _put_unique(self, unique: list[tuple[str, bytes, memoryview]], codes: list[int]) -> None:
+        direct: list[tuple[int, int]] = []  # (index, payload address) in registered memory
+        staged: list[int] = []
+        regions = self._regions
+        for i, (_key, _kb, payload) in enumerate(unique):
+            self._slot = max(self._slot, HEADER_SIZE + len(payload))
+            addr = _address(payload) if regions else None
+            end = addr + len(payload) if addr is not None else 0
+            if addr is not None and any(a <= addr and end <= a + n for a, n in regions):
+                direct.append((i, addr))
+            else:
+                staged.append(i)
+        if direct:
+            self._put_direct(unique, direct, codes)
+        if staged:
+            self._put_staged(unique, staged, codes)
+
+    def _put_direct(
+        self, unique: list[tuple[str, bytes, memoryview]], direct: list[tuple[int, int]],
+        codes: list[int],
+    ) -> None:  # fmt: skip
+        """Zero-copy: each value as (its frame header in a staging buffer, its payload
+        where it lies) through ``batch_put_from_multi_buffers``."""
         with self._staging() as buf:
-            i = 0
-            while i < len(unique):
-                size = HEADER_SIZE + len(unique[i][2])
-                self._slot = max(self._slot, size)
+            per = buf.size // HEADER_SIZE
+            for start in range(0, len(direct), per):
+                part = direct[start : start + per]
+                keys: list[str] = []
+                ptrs: list[list[int]] = []
+                sizes: list[list[int]] = []
+                for n, (i, addr) in enumerate(part):
+                    key, kb, payload = unique[i]
+                    at = n * HEADER_SIZE
+                    buf.view[at : at + HEADER_SIZE] = make_header(kb, payload, self._secret)
+                    keys.append(key)
+                    ptrs.append([buf.addr + at, addr])
+                    sizes.append([HEADER_SIZE, len(payload)])
+                put = self._client.batch_put_from_multi_buffers
+                rcs = self._call(buf, _SAFE_PUT, put, keys, ptrs, sizes)
+                for (i, _addr), rc in zip(part, rcs, strict=True):
+                    codes[i] = rc
+        self._count(zero_copy_puts=len(direct))
+
+    def _put_staged(
+        self, unique: list[tuple[str, bytes, memoryview]], idx: list[int], codes: list[int]
+    ) -> None:
+        """Frame header + payload copied into a registered staging buffer, many per call."""
+        with self._staging() as buf:
+            p = 0
+            while p < len(idx):
+                size = HEADER_SIZE + len(unique[idx[p]][2])
                 if size > buf.size:
                     with self._oversize(size) as big:
-                        codes[i] = self._put_chunk(big, unique[i : i + 1])[0]
-                    i += 1
+                        codes[idx[p]] = self._put_chunk(big, [unique[idx[p]]])[0]
+                    p += 1
                     continue
-                j, used = i, 0
-                while j < len(unique) and used + HEADER_SIZE + len(unique[j][2]) <= buf.size:
-                    used += HEADER_SIZE + len(unique[j][2])
-                    j += 1
-                codes[i:j] = self._put_chunk(buf, unique[i:j])
-                i = j
+                q, used = p, 0
+                while q < len(idx) and used + HEADER_SIZE + len(unique[idx[q]][2]) <= buf.size:
+                    used += HEADER_SIZE + len(unique[idx[q]][2])
+                    q += 1
+                rcs = self._put_chunk(buf, [unique[j] for j in idx[p:q]])
+                for j, rc in zip(idx[p:q], rcs, strict=True):
+                    codes[j] = rc
+                p = q
 
     def _put_chunk(self, buf: _Buffer, chunk: list[tuple[str, bytes, memoryview]]) -> list[int]:
         ptrs, sizes, off = [], [], 0
@@ -537,6 +620,14 @@ class MooncakeStore(KVStore):
                 log.warning("mooncake store: close timed out; client left open (call in flight)")
                 return
         self._client.close()
+
+
+def _address(view: memoryview) -> int | None:
+    """Where ``view``'s bytes start, or None when it cannot lie in registered memory (a
+    read-only or empty view: ``bytes`` are never registered)."""
+    if view.readonly or not view.c_contiguous or not view.nbytes:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _put_ok(rc: int) -> bool:

@@ -154,6 +154,25 @@ def prompt(seed: int, n: int) -> list[int]:
 # ======================================================================================
 # Child side
 # ======================================================================================
+def hit_unit(run: dict[str, Any]) -> int:
+    """Tokens of one hit unit in ``run``: the connector's own layout when the child could
+    read it, else derived from the block size vLLM chose, as ``KVLayout`` derives it
+    (attention-only models, the default ``chunk_tokens``: worker processes)."""
+    from ucm_patch.connector.layout import CHUNK_TOKENS, attention_chunk_blocks
+
+    layout = run.get("layout")
+    if layout:
+        return int(layout["unit"])
+    block = int(run["vllm"]["block_size"])
+    return attention_chunk_blocks(block, CHUNK_TOKENS) * block
+
+
+def whole_units(run: dict[str, Any], tokens: int) -> int:
+    """``tokens`` rounded down to whole hit units of ``run`` (what can be stored and hit)."""
+    unit = hit_unit(run)
+    return tokens // unit * unit
+
+
 def _env_values(extra: dict[str, Any]) -> dict[str, Any]:
     """``extra`` with ``"$NAME"`` values read from the environment."""
     return {
@@ -238,7 +257,11 @@ def _stats(connected: bool) -> dict[str, int]:
         return {}
     from ucm_patch import connector
 
-    return connector.stats()
+    out = connector.stats()
+    found = connector.active_connectors()
+    if found:  # the store's own counters, prefixed (e.g. Mooncake's zero-copy puts)
+        out |= {f"store_{k}": v for k, v in found[0].store.stats.items()}
+    return out
 
 
 def _gen(llm: Any, step: dict[str, Any], connected: bool) -> dict[str, Any]:

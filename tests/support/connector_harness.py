@@ -71,7 +71,9 @@ def vllm_config(
         kv_transfer_config=KVTransferConfig(
             kv_connector=connector,
             kv_role=kv_role,
-            kv_connector_extra_config=extra if extra is not None else {},
+            # one block per stored value unless a test asks for chunks: these tests name
+            # blocks; tests/test_connector_chunks.py covers chunks of several blocks
+            kv_connector_extra_config={"chunk_tokens": block_size, **(extra or {})},
         ),
         model_config=SimpleNamespace(model=model, dtype=torch.bfloat16),
         cache_config=SimpleNamespace(

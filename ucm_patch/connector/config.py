@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ucm_patch.connector.layout import CHUNK_TOKENS
 from ucm_patch.hooks import settings as v
 from ucm_patch.hooks.settings import SettingError
 from ucm_patch.hooks.stores import (
@@ -50,6 +51,13 @@ CONNECTOR_KEYS: v.Table = {
         "replaces the model path and the weight files' mtimes in the key fingerprint "
         "(their names, sizes and sampled content still count); set the same value on "
         "instances that load the same weights from different paths or hosts",
+    ),
+    "chunk_tokens": (
+        v.int_in(1, 1 << 20),
+        CHUNK_TOKENS,
+        "tokens of one stored attention value: that many tokens of whole blocks of one "
+        "row (at least one block), stored back to back; hits are whole chunks. 256 makes "
+        "1 MiB values of 64 KiB GPU pages (docs/CONNECTOR.md#chunks)",
     ),
     "load_mode": (
         v.one_of(*LOAD_MODES),
@@ -85,6 +93,7 @@ class ConnectorConfig:
 
     store_config: StoreConfig
     namespace: str | None = None
+    chunk_tokens: int = CHUNK_TOKENS
     load_mode: str = "auto"
     load_prefetch_rows: int = 2
     load_workers: int = 2

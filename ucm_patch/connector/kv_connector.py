@@ -103,7 +103,9 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
             super().__init__(vllm_config, role)
         ktc = vllm_config.kv_transfer_config
         self.config = parse_connector_config(ktc.kv_connector_extra_config)
-        self.layout = KVLayout.from_vllm(vllm_config, kv_cache_config, self.config.namespace)
+        self.layout = KVLayout.from_vllm(
+            vllm_config, kv_cache_config, self.config.namespace, self.config.chunk_tokens
+        )
         kv_role = ktc.kv_role or "kv_both"
         can_dump = kv_role in ("kv_both", "kv_producer")
         can_load = kv_role in ("kv_both", "kv_consumer")

@@ -14,15 +14,22 @@ Storage layout (docs/CONNECTOR.md "Keys and rows"):
 * **Storage rows** (:mod:`ucm_patch.connector.rows`): layers whose pages alias the same bytes.
   One row holds at most one layer per group, so "row ``r``, block id ``b``" names exactly
   one layer's page; a dump reads it once, at the row's last layer.
-* **Keys**: ``ucm2/<fingerprint>/<block hash>/g<group>r<row>t<tp rank>``. The block hash is
-  vLLM's content hash of the whole prefix up to that block (``request.block_hashes``), so a
-  key names content, not a request. The fingerprint covers what makes bytes incompatible
-  (the weights and every setting that changes KV bytes, :mod:`ucm_patch.connector.identity`;
-  groups, page sizes, rows): two models, or one model before and after its weights were
-  rewritten, never share keys, and a changed layout is a miss, never a wrong read.
+* **Chunks** (attention groups): a stored value is ``chunk_blocks`` consecutive blocks of
+  one row, their pages back to back (``chunk_tokens`` of the connector config, 256 by
+  default like LMCache's chunks, rounded down to whole blocks, at least one). A GPU page is
+  64 KiB (Qwen3-8B, 16-token blocks): stored one per value, every page would pay the
+  store's per-value cost (an index entry, a frame); 16 of them make a 1 MiB value
+  (docs/CONNECTOR.md "Chunks"). A Mamba/GDN state is one block per value.
+* **Keys**: ``ucm3/<fingerprint>/<block hash>/g<group>r<row>t<tp rank>``. The block hash is
+  vLLM's content hash of the whole prefix up to the chunk's last block
+  (``request.block_hashes``), so a key names content, not a request. The fingerprint
+  covers what makes bytes incompatible (the weights and every setting that changes KV
+  bytes, :mod:`ucm_patch.connector.identity`; groups, page sizes, rows, chunks): two
+  models, or one model before and after its weights were rewritten, never share keys, and
+  a changed layout is a miss, never a wrong read.
 
-A block is a hit only when every key of every row (and every TP rank) exists; a partially
-stored block is simply a miss, so no commit record is needed.
+A chunk is a hit only when every key of every row (and every TP rank) exists; a partially
+stored chunk is simply a miss, so no commit record is needed.
 """
 
 from __future__ import annotations
@@ -37,9 +44,13 @@ from typing import Any
 from ucm_patch.connector.identity import model_identity
 from ucm_patch.connector.rows import RowMap
 
-# ucm2: attention pages are K|V in (token, head, dim) order (connector/page_views.py);
-# ucm1 stored the raw bytes of the registered view. A ucm1 value is a miss, never misread.
-KEY_VERSION = "ucm2"
+# ucm3: an attention value is a chunk of pages; ucm2 stored one page per value, each K|V in
+# (token, head, dim) order (connector/page_views.py), as ucm3 pages are; ucm1 stored the
+# raw bytes of the registered view. An older value is a miss, never misread.
+KEY_VERSION = "ucm3"
+#: Tokens of one attention value by default (``chunk_tokens``): LMCache's chunk size; 16
+#: GPU pages of 64 KiB (16-token blocks) make a 1 MiB value.
+CHUNK_TOKENS = 256
 ATTENTION = "attention"
 MAMBA = "mamba"
 
@@ -57,6 +68,11 @@ class GroupInfo:
     layers: tuple[str, ...]
     spec: str
     """The spec's class name, for logs and the fingerprint."""
+
+
+def attention_chunk_blocks(block_size: int, chunk_tokens: int) -> int:
+    """Blocks of one stored attention value: ``chunk_tokens`` in whole blocks, at least one."""
+    return max(1, chunk_tokens // block_size)
 
 
 def _is_mamba(spec: Any) -> bool:
@@ -77,9 +93,12 @@ class KVLayout:
         hash_block_size: int,
         tp_size: int,
         identity: dict[str, Any],
+        chunk_tokens: int = 1,
     ) -> None:
         if not groups:
             raise LayoutError("KVLayout: the model has no KV-cache group to transfer")
+        if chunk_tokens <= 0:
+            raise LayoutError(f"KVLayout: chunk_tokens must be > 0, got {chunk_tokens}")
         if hash_block_size <= 0:
             raise LayoutError(f"KVLayout: hash_block_size must be > 0, got {hash_block_size}")
         for g in groups:
@@ -92,8 +111,16 @@ class KVLayout:
         self.rows = rows
         self.hash_block_size = hash_block_size
         self.tp_size = tp_size
-        #: Hits are whole multiples of this many tokens (LCM of the group block sizes).
-        self.unit = math.lcm(*(g.block_size for g in groups))
+        #: group index -> blocks per stored value: attention groups ``chunk_tokens`` of
+        #: whole blocks (at least one), Mamba/GDN groups one state.
+        self.chunk_blocks: dict[int, int] = {
+            g.index: (
+                attention_chunk_blocks(g.block_size, chunk_tokens) if g.kind == ATTENTION else 1
+            )
+            for g in groups
+        }
+        #: Hits are whole multiples of this many tokens (LCM of the groups' value spans).
+        self.unit = math.lcm(*(self.chunk_blocks[g.index] * g.block_size for g in groups))
         self.attention_groups = tuple(g for g in groups if g.kind == ATTENTION)
         self.mamba_groups = tuple(g for g in groups if g.kind == MAMBA)
         self.group_by_index = {g.index: g for g in groups}
@@ -122,6 +149,7 @@ class KVLayout:
         ident["rows"] = [list(r.layers) for r in rows.rows]
         ident["tp"] = tp_size
         ident["hash_block_size"] = hash_block_size
+        ident["chunk_blocks"] = [self.chunk_blocks[g.index] for g in groups]
         blob = json.dumps(ident, sort_keys=True, default=str).encode()
         self.identity = ident
         #: Short hash of everything that makes stored bytes incompatible.
@@ -149,6 +177,11 @@ class KVLayout:
         """Index into ``request.block_hashes`` naming the prefix up to group block ``i``."""
         return (block_index + 1) * (group.block_size // self.hash_block_size) - 1
 
+    def chunk_hash_index(self, group: GroupInfo, chunk: int) -> int:
+        """Index into ``request.block_hashes`` naming chunk ``chunk`` of ``group`` (the
+        prefix up to its last block)."""
+        return self.hash_index(group, (chunk + 1) * self.chunk_blocks[group.index] - 1)
+
     def layerwise_capable(self) -> bool:
         """True when load errors can be reported per block (one attention group).
 
@@ -161,7 +194,11 @@ class KVLayout:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def from_vllm(
-        cls, vllm_config: Any, kv_cache_config: Any, namespace: str | None = None
+        cls,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        namespace: str | None = None,
+        chunk_tokens: int = CHUNK_TOKENS,
     ) -> KVLayout:
         """Derive the layout from vLLM's configs (both connector sides call this)."""
         if kv_cache_config is None:
@@ -198,7 +235,8 @@ class KVLayout:
             or vllm_config.cache_config.block_size
         )
         identity = model_identity(vllm_config, namespace)
-        return cls(groups, rows, int(hash_bs), int(parallel.tensor_parallel_size), identity)
+        tp = int(parallel.tensor_parallel_size)
+        return cls(groups, rows, int(hash_bs), tp, identity, chunk_tokens)
 
 
 def hash_hex(block_hash: Any) -> str:

@@ -4,11 +4,14 @@ Plain data, built once per step by :class:`ucm_patch.connector.scheduler_side.Sc
 and pickled to every worker (vLLM sends ``SchedulerOutput`` to worker processes). Entries
 are tuples, not objects, to keep that pickle small.
 
-* dump entry ``(group, block_id, block_hash_hex)``: after this step's forward, store the
-  page of ``block_id`` under the block hash, in every row of the group.
-* load entry ``(group, dst_block_ids, block_hash_hex)``: write the stored pages of that
-  block hash into each of ``dst_block_ids`` (one id for attention; a GDN state may go to
-  more than one block, see ``connector_scheduler``).
+* dump entry ``(group, block_ids, block_hash_hex)``: after this step's forward, store the
+  pages of ``block_ids`` (one chunk: ``KVLayout.chunk_blocks`` consecutive blocks of an
+  attention group, one block of a Mamba/GDN group), back to back, as one value under the
+  hash of its last block, in every row of the group.
+* load entry ``(group, dst_block_ids, block_hash_hex)``: the value stored under that hash
+  holds ``len(dst_block_ids)`` pages; page ``j`` goes into block ``dst_block_ids[j]``,
+  none where that is the null block 0 (a block vLLM's own prefix cache already holds).
+  An entry with no destination at all is a load failure (a GDN state vLLM gave no block).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ try:  # vLLM >= 0.17.1
 except ImportError:  # pragma: no cover - older vLLM: no worker -> scheduler channel
     KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
 
-DumpEntry = tuple[int, int, str]
+NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
+DumpEntry = tuple[int, tuple[int, ...], str]
 LoadEntry = tuple[int, tuple[int, ...], str]
 
 
@@ -53,7 +57,7 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     asynchronously. False: workers copy the pages before ``save_kv_layer`` returns."""
 
     def dump_block_count(self) -> int:
-        return sum(len(e) for e in self.dumps.values())
+        return sum(len(ids) for entries in self.dumps.values() for _g, ids, _h in entries)
 
 
 @dataclass

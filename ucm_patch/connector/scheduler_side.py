@@ -21,8 +21,9 @@ in the waiting queue and asks for a hit once more, and a store that fails the sa
 time (a broken value that is not removed, a store raising on every read) would otherwise
 turn that into lookup, load, fail, forever.
 
-**Dumps** (:meth:`SchedulerSide.build_connector_meta`): every attention block that becomes
-full in this step (spec-decode draft positions excluded) and has a content hash; for
+**Dumps** (:meth:`SchedulerSide.build_connector_meta`): every attention chunk
+(``KVLayout.chunk_blocks`` blocks, one stored value) whose last block becomes full in this
+step (spec-decode draft positions excluded) and has a content hash; for
 Mamba/GDN groups the exact boundary-state blocks vLLM offers in
 ``scheduler_output.kv_connector_block_state`` (vLLM 0.32; such states are not positional,
 so without that offer no state is dumped and hybrid prefixes never hit). Blocks vLLM's own
@@ -51,6 +52,7 @@ from ucm_patch.connector import counters as stats
 from ucm_patch.connector.config import ConnectorConfig, ConnectorConfigError
 from ucm_patch.connector.layout import KVLayout, hash_hex
 from ucm_patch.connector.meta import (
+    NULL_BLOCK,
     DumpEntry,
     LoadEntry,
     RequestLoad,
@@ -62,7 +64,6 @@ from ucm_patch.hooks.stores.base import KVStore, StoreError
 # Under vLLM's logger: its handler, level and format (``INFO mm-dd hh:mm:ss [file:line]``).
 logger = logging.getLogger(f"vllm.{__name__}")
 
-NULL_BLOCK = 0  # vLLM's BlockPool reserves block 0 as the null block
 LOOKUP_CHUNK_UNITS = 32
 
 
@@ -159,12 +160,12 @@ class SchedulerSide:
         """End (tokens) of the longest stored prefix continuing ``start`` (module docstring)."""
         layout = self.layout
         unit = layout.unit
-        if start % unit:
-            return start
         hashes = request.block_hashes
         limit = min(len(hashes) * layout.hash_block_size, request.num_tokens - 1)
         limit -= limit % unit
         best = start
+        # from the unit holding ``start`` (vLLM's own hit ends on a block, maybe inside a
+        # chunk: that chunk's blocks before ``start`` are read but not written)
         first, last = start // unit, limit // unit
         for chunk in range(first, last, LOOKUP_CHUNK_UNITS):
             units = range(chunk, min(chunk + LOOKUP_CHUNK_UNITS, last))
@@ -173,9 +174,9 @@ class SchedulerSide:
             for j in units:
                 a0 = len(keys)
                 for g in layout.attention_groups:
-                    per = unit // g.block_size
-                    for i in range(j * per, (j + 1) * per):
-                        h = hash_hex(hashes[layout.hash_index(g, i)])
+                    per = unit // (layout.chunk_blocks[g.index] * g.block_size)
+                    for c in range(j * per, (j + 1) * per):
+                        h = hash_hex(hashes[layout.chunk_hash_index(g, c)])
                         keys.extend(layout.keys_all_ranks(h, g.index))
                 a1 = len(keys)
                 for g in layout.mamba_groups:
@@ -188,7 +189,7 @@ class SchedulerSide:
                 if not all(present[a0:a1]):
                     return best
                 if all(present[a1:m1]):
-                    best = (j + 1) * unit
+                    best = max(best, (j + 1) * unit)
         return best
 
     # ---------------------------------------------------------------------------------
@@ -243,18 +244,20 @@ class SchedulerSide:
         hashes = st.request.block_hashes
         for g in layout.attention_groups:
             ratio = g.block_size // layout.hash_block_size
-            n = min(tokens // g.block_size, len(hashes) // ratio)
+            cb = layout.chunk_blocks[g.index]
+            n = min(tokens // g.block_size, len(hashes) // ratio) // cb  # whole chunks
             keys: list[str] = []
             owner: list[int] = []
-            for i in range(n):
-                found = layout.keys_all_ranks(hash_hex(hashes[layout.hash_index(g, i)]), g.index)
+            for c in range(n):
+                h = hash_hex(hashes[layout.chunk_hash_index(g, c)])
+                found = layout.keys_all_ranks(h, g.index)
                 keys.extend(found)
-                owner.extend([i] * len(found))
+                owner.extend([c] * len(found))
             try:
                 present = self.store.exists_many(keys) if keys else []
             except StoreError:
                 return
-            stored = next((i for i, ok in zip(owner, present, strict=True) if not ok), n)
+            stored = next((c for c, ok in zip(owner, present, strict=True) if not ok), n) * cb
             if stored:
                 st.next_block[g.index] = max(st.next_block[g.index], stored)
                 stats.bump("dump_blocks_already_stored", stored)
@@ -267,10 +270,14 @@ class SchedulerSide:
         entries: list[LoadEntry] = []
         for g in layout.attention_groups:
             ids = block_ids[g.index]
-            for i in range(start // g.block_size, end // g.block_size):
-                if ids[i] != NULL_BLOCK:
-                    h = hash_hex(hashes[layout.hash_index(g, i)])
-                    entries.append((g.index, (ids[i],), h))
+            cb = layout.chunk_blocks[g.index]
+            first = start // g.block_size  # blocks before it are vLLM's own hit: not written
+            for c in range(first // cb, end // g.block_size // cb):
+                span = range(c * cb, (c + 1) * cb)
+                dsts = tuple(ids[i] if i >= first else NULL_BLOCK for i in span)
+                if any(d != NULL_BLOCK for d in dsts):
+                    h = hash_hex(hashes[layout.chunk_hash_index(g, c)])
+                    entries.append((g.index, dsts, h))
             st.next_block[g.index] = max(st.next_block[g.index], end // g.block_size)
         for g in layout.mamba_groups:
             # The state after token `end` lives in block (end - 1) // block_size: vLLM's
@@ -350,8 +357,10 @@ class SchedulerSide:
         preemption without local cache; those blocks are computed again and must be dumped
         again (a failed load removed the corrupt values). In normal steps this is a no-op.
         """
-        for g in self.layout.attention_groups:
-            limit = computed // g.block_size
+        layout = self.layout
+        for g in layout.attention_groups:
+            cb = layout.chunk_blocks[g.index]
+            limit = computed // g.block_size // cb * cb  # the chunk holding it is redone
             if st.next_block[g.index] > limit:
                 st.next_block[g.index] = limit
         done = st.state_done
@@ -365,11 +374,16 @@ class SchedulerSide:
         out: list[DumpEntry] = []
         for g in layout.attention_groups:
             ratio = g.block_size // layout.hash_block_size
+            cb = layout.chunk_blocks[g.index]
             gids = ids[g.index]
             last = min(end // g.block_size, len(hashes) // ratio, len(gids))
-            for i in range(st.next_block[g.index], last):
-                if gids[i] != NULL_BLOCK:
-                    out.append((g.index, gids[i], hash_hex(hashes[layout.hash_index(g, i)])))
+            last -= last % cb  # whole chunks only: a partial one waits for its last block
+            for c in range(st.next_block[g.index] // cb, last // cb):
+                blocks = tuple(gids[c * cb : (c + 1) * cb])
+                # a freed block (sliding window) leaves the chunk incomplete: not stored
+                if NULL_BLOCK not in blocks:
+                    h = hash_hex(hashes[layout.chunk_hash_index(g, c)])
+                    out.append((g.index, blocks, h))
             st.next_block[g.index] = max(st.next_block[g.index], last)
         return out
 
@@ -387,7 +401,7 @@ class SchedulerSide:
             hidx = boundary // layout.hash_block_size - 1
             if hidx >= len(hashes):
                 continue
-            out.append((gid, bid, hash_hex(hashes[hidx])))
+            out.append((gid, (bid,), hash_hex(hashes[hidx])))
             done[gid] = boundary
         return out
 
@@ -429,7 +443,12 @@ class SchedulerSide:
 
     def _pin(self, md: UCMConnectorMetadata) -> None:
         pool = self._pool
-        blocks = [pool.blocks[bid] for entries in md.dumps.values() for _g, bid, _h in entries]
+        blocks = [
+            pool.blocks[bid]
+            for entries in md.dumps.values()
+            for _g, bids, _h in entries
+            for bid in bids
+        ]
         pool.touch(blocks)
         self._pins[md.step] = blocks
         md.pinned = True

@@ -16,6 +16,10 @@ faults) per batch. Here:
   stream the forward pass runs on, and the thread waits for that stream alone.
 * **On CPU the same path copies once**: the gather writes straight into the buffer
   (``index_select(out=...)``), and a load scatters straight from it.
+* **Offered to the store** (``KVStore.register_host_memory``) when created, withdrawn
+  before one is dropped: the Mooncake store sends a dump's values from these buffers
+  without copying them (zero-copy puts); the local store declines (it copies into its
+  segments anyway).
 
 A buffer is lent for one dump or load: :class:`StagedPages` is the list of page views a
 dump hands to ``KVStore.put_many``; the dump scheduler calls its :meth:`StagedPages.release`
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -57,8 +61,16 @@ class StagingBuffers:
     """Host buffers lent to dumps and loads, reused; pinned when the KV cache is on an
     accelerator. Thread-safe: the dump and load threads share one instance."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        register: Callable[[int, int], bool] | None = None,
+        unregister: Callable[[int], None] | None = None,
+    ) -> None:
         self.device = device
+        # the store's register_host_memory / unregister_host_memory
+        self._register = register
+        self._unregister = unregister
         self.pinned = device.type != "cpu"
         self.stream = copy_stream(device)
         self.allocated = 0  # buffers ever created: stays small when buffers are reused
@@ -76,15 +88,21 @@ class StagingBuffers:
             if free:
                 return free.pop()
             self.allocated += 1
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        if self._register is not None:
+            self._register(buf.data_ptr(), size)
+        return buf
 
     def give(self, buf: torch.Tensor) -> None:
         """Take ``buf`` back (kept for the next :meth:`take` of its size class)."""
         with self._lock:
             self.lent -= 1
             free = self._free.setdefault(buf.numel(), [])
-            if len(free) < KEEP_PER_CLASS:
+            kept = len(free) < KEEP_PER_CLASS
+            if kept:
                 free.append(buf)
+        if not kept and self._unregister is not None:
+            self._unregister(buf.data_ptr())  # dropped: the store must not send from it
 
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:

@@ -54,7 +54,12 @@ from ucm_patch.connector import counters as stats
 from ucm_patch.connector.config import ConnectorConfig
 from ucm_patch.connector.layout import KVLayout
 from ucm_patch.connector.load_threads import LoadThreads
-from ucm_patch.connector.meta import RequestLoad, UCMConnectorMetadata, UCMWorkerMetadata
+from ucm_patch.connector.meta import (
+    NULL_BLOCK,
+    RequestLoad,
+    UCMConnectorMetadata,
+    UCMWorkerMetadata,
+)
 from ucm_patch.connector.page_views import (
     AttentionShape,
     PageView,
@@ -79,11 +84,16 @@ _RowPlan = tuple[list[str], Callable[[Any], list[memoryview]]]
 
 
 def copy_pages(
-    view: PageView, idx: torch.Tensor, staging: StagingBuffers, _task: Any = None
+    view: PageView,
+    idx: torch.Tensor,
+    counts: tuple[int, ...],
+    staging: StagingBuffers,
+    _task: Any = None,
 ) -> StagedPages:
-    """Host copies of the pages ``idx`` (bounds-checked by the caller) of a row view, one
-    memoryview per page, in a buffer lent by ``staging`` (given back by the dump scheduler
-    once the store has copied them: :meth:`StagedPages.release`).
+    """Host copies of the pages ``idx`` (bounds-checked by the caller) of a row view, back
+    to back in a buffer lent by ``staging`` (given back by the dump scheduler once the
+    store has copied them: :meth:`StagedPages.release`): one memoryview per value, value
+    ``i`` the next ``counts[i]`` pages (a chunk is a slice of the buffer, not a copy).
 
     ``_task``: the dump task when called as a DumpScheduler payload (unused).
     """
@@ -93,11 +103,16 @@ def copy_pages(
         rows = buf[: n * page].view(n, page)
         with staging.on_stream():
             view.gather_into(idx, rows)
-        arr = rows.numpy()
+        flat = memoryview(rows.numpy()).cast("B")
     except BaseException:
         staging.give(buf)
         raise
-    return StagedPages([memoryview(arr[i]) for i in range(n)], staging, buf)
+    values: list[memoryview] = []
+    at = 0
+    for k in counts:
+        values.append(flat[at : at + k * page])
+        at += k * page
+    return StagedPages(values, staging, buf)
 
 
 class WorkerSide:
@@ -134,7 +149,7 @@ class WorkerSide:
         n = len(layout.rows)
         self.views: list[PageView | None] = [None] * n
         #: host buffers of dumps and loads (pinned on an accelerator): register_kv_caches
-        self.staging = StagingBuffers(torch.device("cpu"))
+        self.staging = self._staging_for(torch.device("cpu"))
         # Bound once for the save hook (once per layer per step).
         self._save_row_of = layout.rows.save_row_of
         if config.dump_exit_flush_s is not None:
@@ -204,7 +219,12 @@ class WorkerSide:
             self.views[row.index] = view
             logger.debug("ucm connector: row %d (%s): %s", row.index, layer, view.layout)
             if view.view.device != self.staging.device:
-                self.staging = StagingBuffers(view.view.device)
+                self.staging = self._staging_for(view.view.device)
+
+    def _staging_for(self, device: torch.device) -> StagingBuffers:
+        """Host buffers for ``device``, offered to the store for zero-copy puts."""
+        store = self.store
+        return StagingBuffers(device, store.register_host_memory, store.unregister_host_memory)
 
     # ---------------------------------------------------------------------------------
     # Per step
@@ -227,41 +247,52 @@ class WorkerSide:
         self._batch = batch
         self._pinned = md.pinned
         self._row_done[:] = bytes(len(self._row_done))
-        per_row: list[tuple[list[str], list[int]]] = [([], []) for _ in self._row_plans]
+        # row -> (keys, the block ids of each key's value)
+        per_row: list[tuple[list[str], list[tuple[int, ...]]]] = [([], []) for _ in self._row_plans]
         for entries in md.dumps.values():
-            for group, block_id, block_hash in entries:
+            for group, block_ids, block_hash in entries:
                 for r in layout.rows_of_group[group]:
-                    keys, idx = per_row[r]
+                    keys, values = per_row[r]
                     keys.append(layout.key(block_hash, group, r, self.rank))
-                    idx.append(block_id)
+                    values.append(block_ids)
         pages = 0
-        for r, (keys, ids) in enumerate(per_row):
+        for r, (keys, values) in enumerate(per_row):
             view = self.views[r]
             if not keys:
                 self._row_plans[r] = None
                 continue
             if view is None:
                 raise RuntimeError("ucm connector: dump planned before register_kv_caches")
-            bad = view.out_of_range(ids)
+            bad = view.out_of_range([b for ids in values for b in ids])
             if bad:  # never launched: on CUDA an out-of-range gather kills the engine
-                keys, ids = self._drop_out_of_range(r, keys, ids, set(bad), view)
+                keys, values = self._drop_out_of_range(r, keys, values, set(bad), view)
                 if not keys:
                     self._row_plans[r] = None
                     continue
-            idx = torch.tensor(ids, dtype=torch.long, device=view.view.device)
+            flat = [b for ids in values for b in ids]
+            idx = torch.tensor(flat, dtype=torch.long, device=view.view.device)
+            counts = tuple(len(ids) for ids in values)
             # Built once per step: the per-layer submit allocates nothing.
-            self._row_plans[r] = (keys, partial(copy_pages, view, idx, self.staging))
-            pages += len(keys)
+            self._row_plans[r] = (keys, partial(copy_pages, view, idx, counts, self.staging))
+            pages += len(flat)
         stats.bump("dump_pages", pages)
         if md.pinned:
             self._open_steps.append((md.step, batch))
 
     def _drop_out_of_range(
-        self, row: int, keys: list[str], ids: list[int], bad: set[int], view: PageView
-    ) -> tuple[list[str], list[int]]:
-        """The pages of ``row`` whose block ids exist; the others are counted and logged
-        (a scheduler / worker disagreement on the block count), never copied."""
-        stats.bump("dump_pages_out_of_range", sum(1 for b in ids if b in bad))
+        self,
+        row: int,
+        keys: list[str],
+        values: list[tuple[int, ...]],
+        bad: set[int],
+        view: PageView,
+    ) -> tuple[list[str], list[tuple[int, ...]]]:
+        """The values of ``row`` whose block ids all exist; the others are counted (their
+        pages) and logged (a scheduler / worker disagreement on the block count), never
+        copied."""
+        kept = [(k, ids) for k, ids in zip(keys, values, strict=True) if bad.isdisjoint(ids)]
+        dropped = sum(len(ids) for ids in values) - sum(len(ids) for _k, ids in kept)
+        stats.bump("dump_pages_out_of_range", dropped)
         self._warning_log.error(
             ("dump range", row),
             "ucm connector: dump of row %d names block ids %s outside the %d blocks of its "
@@ -271,8 +302,7 @@ class WorkerSide:
             view.num_blocks,
             view.layout,
         )
-        kept = [(k, b) for k, b in zip(keys, ids, strict=True) if b not in bad]
-        return [k for k, _ in kept], [b for _, b in kept]
+        return [k for k, _ in kept], [ids for _, ids in kept]
 
     def _close_dumps(self) -> None:
         """Submit the rows whose save layer never ran (after the forward), then seal."""
@@ -353,7 +383,7 @@ class WorkerSide:
                 continue
             blocks = self._load_blocks.setdefault(load.req_id, [])
             for group, dsts, block_hash in load.entries:
-                blocks.extend(dsts)
+                blocks.extend(d for d in dsts if d != NULL_BLOCK)
                 for r in layout.rows_of_group[group]:
                     key = layout.key(block_hash, group, r, self.rank)
                     self._row_jobs[r].append((load.req_id, key, dsts))
@@ -367,7 +397,7 @@ class WorkerSide:
                 self._fail_step_loads("start_load_kv", exc)
         for load in self._async_loads:
             stats.bump("loads_async")
-            blocks = [d for _g, dsts, _h in load.entries for d in dsts]
+            blocks = [d for _g, dsts, _h in load.entries for d in dsts if d != NULL_BLOCK]
             try:
                 future = self._pool.submit(self._load_request, load)
             except Exception as exc:  # e.g. the load threads were shut down
@@ -470,29 +500,38 @@ class WorkerSide:
             raise RuntimeError("ucm connector: load before register_kv_caches")
         page = view.page_bytes
         staging = self.staging
-        buf = staging.take(len(jobs) * page)
+        n = sum(max(1, len(dsts)) for _rid, _key, dsts in jobs)  # pages of the values
+        buf = staging.take(n * page)
         try:
-            return self._copy_into(row, view, jobs, buf[: len(jobs) * page].view(len(jobs), page))
+            return self._copy_into(row, view, jobs, buf[: n * page].view(n, page))
         finally:
             staging.give(buf)
 
     def _copy_into(
         self, row: int, view: PageView, jobs: list[_LoadJob], host: torch.Tensor
     ) -> set[str]:
-        # The store reads each page straight into its row of a reused host buffer (pinned
-        # on an accelerator; the local store: one copy from its segment), then one
-        # index_copy_ writes them into their blocks: on CPU, straight from that buffer.
+        # The store reads each value (a chunk of pages) straight into its rows of a reused
+        # host buffer (pinned on an accelerator; the local store: one copy from its
+        # segment), then one index_copy_ writes the pages into their blocks: on CPU,
+        # straight from that buffer.
         failed: set[str] = set()
-        rows = host.numpy()
-        ok = self.store.get_many_into(
-            [key for _rid, key, _dsts in jobs], [memoryview(rows[i]) for i in range(len(jobs))]
-        )
+        page = view.page_bytes
+        flat = memoryview(host.numpy()).cast("B")
+        firsts: list[int] = []  # each job's first page in ``host``
+        outs: list[memoryview] = []
+        at = 0
+        for _rid, _key, dsts in jobs:
+            k = max(1, len(dsts))
+            firsts.append(at)
+            outs.append(flat[at * page : (at + k) * page])
+            at += k
+        ok = self.store.get_many_into([key for _rid, key, _dsts in jobs], outs)
         src: list[int] = []
         dst: list[int] = []
-        for i, ((rid, key, dsts), good) in enumerate(zip(jobs, ok, strict=True)):
-            if not good or not dsts:
+        for (rid, key, dsts), good, first in zip(jobs, ok, firsts, strict=True):
+            if not good or not any(d != NULL_BLOCK for d in dsts):
                 stats.bump("load_errors")
-                why = "missing, corrupt or not one page" if not good else "no destination block"
+                why = "missing, corrupt or not its size" if not good else "no destination block"
                 self._warning_log.warning(
                     ("value", why[:7]), "ucm connector: cannot load %s for %s: %s", key, rid, why
                 )
@@ -513,11 +552,12 @@ class WorkerSide:
                 )
                 failed.add(rid)
                 continue
-            for d in dsts:
-                src.append(i)
-                dst.append(d)
+            for j, d in enumerate(dsts):
+                if d != NULL_BLOCK:  # a block of vLLM's own hit is not written
+                    src.append(first + j)
+                    dst.append(d)
         if dst:
-            if src != list(range(len(jobs))):  # failed jobs, or a page for several blocks
+            if src != list(range(len(host))):  # failed jobs, or pages vLLM already holds
                 host = host.index_select(0, torch.tensor(src, dtype=torch.long))
             with self.staging.on_stream():
                 idx = torch.tensor(dst, dtype=torch.long, device=view.view.device)
