@@ -229,8 +229,10 @@ class MooncakeStore(KVStore):
 
     def register_host_memory(self, addr: int, size: int) -> bool:
         """Register the caller's buffer with the Mooncake client: puts from it are zero-copy
-        (module docstring). False (logged) when the client refuses it."""
-        self._check_usable()
+        (module docstring). False when the store is closed, or (logged) when the client
+        refuses it: the caller's buffer then just goes through the staged path."""
+        if self._closed:
+            return False
         rc = self._client.register_buffer(addr, size)
         if rc != 0:
             log.warning("mooncake store: register_buffer(%d bytes) failed: rc=%s", size, rc)
