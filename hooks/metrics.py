@@ -86,6 +86,8 @@ class DumpMetrics:
         "bytes_written",
         "dump_duration",
         "dump_durations",
+        "dump_event_wait_s",
+        "dump_produce_s",
         "dumps_cancelled",
         "dumps_completed",
         "dumps_failed",
@@ -132,6 +134,12 @@ class DumpMetrics:
         # The same durations as samples, drained by the KV connector's per-step stats for
         # vLLM's Prometheus histogram (bounded: DURATION_SAMPLES_MAX between two drains).
         self.dump_durations: list[float] = []
+        # Of the completed dumps' durations, the seconds spent waiting for their KV-ready
+        # events: the rest is the dump path's own work (bandwidth = bytes / that rest).
+        self.dump_event_wait_s = 0.0
+        # ... and the seconds their payload callables ran (the connector's device copy):
+        # the rest of the work is the store's put
+        self.dump_produce_s = 0.0
         self.preempt_wait = Histogram()  # handle_preemptions blocking time (seconds)
         #: Callable returning (live owned, live borrowed) handles; set by the ledger.
         self.live_handles: Callable[[], tuple[int, int]] = _no_handles

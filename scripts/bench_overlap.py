@@ -314,7 +314,10 @@ def child(spec_path: str, out_path: str) -> int:
     latency_s = spec["store_latency_us"] / 1e6
     bw = [spec.get("store_bandwidth_Bps") or 1e12]  # set after the baseline when None
     nbytes_put = [0]
-    with tempfile.TemporaryDirectory(prefix="bench-overlap-", dir=spec.get("tmp")) as tmp:
+    from ucm_patch.hooks.stores.local import scratch_memory_tiers
+
+    tmpdir = tempfile.TemporaryDirectory(prefix="bench-overlap-", dir=spec.get("tmp"))
+    with tmpdir as tmp, scratch_memory_tiers():
         if spec["connector"] == "ucm":
             from ucm_patch.connector import kv_connector as connector
 

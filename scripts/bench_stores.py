@@ -15,8 +15,10 @@ values (what one dump batch of a layer writes). MiB/s of payload, median and bes
   computes.
 * ``memory tier`` / ``disk tier``: the local store's tiers alone (the memory tier's
   values leaving it are dropped, not spilled, so its rows hold nothing of the disk's).
-  ``put (new segments)`` fills an empty store: each segment is created and its pages
-  allocated by the kernel then. ``put`` (the target) writes into a full store: every
+  ``put (new segments)`` fills an empty store right after it opened: on disk each
+  segment is created then; the memory tier's warmer allocates and maps its segments in
+  the background from the open on (docs/CONNECTOR.md), racing the puts here, while a
+  server has them ready before its first dump. ``put`` (the target) writes into a full store: every
   segment is reused, the least recently used one emptied first, as in a store that has
   been serving for a while. Reads are hot (page cache), as right after a dump.
 * ``disk tier (fsync)``: the same with ``local_fsync``.

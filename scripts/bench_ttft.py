@@ -113,7 +113,9 @@ def child(spec_path: str, out_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     kind = spec["connector"]
     n, shared = spec["prompt_len"], spec["shared"]
-    with tempfile.TemporaryDirectory(prefix="bench-ttft-") as tmp:
+    from ucm_patch.hooks.stores.local import scratch_memory_tiers
+
+    with tempfile.TemporaryDirectory(prefix="bench-ttft-") as tmp, scratch_memory_tiers():
         t_start = time.perf_counter()
         ktc = _ktc(kind, tmp)
         llm = LLM(

@@ -252,7 +252,9 @@ def main() -> int:
         if not (path / "config.json").exists():
             raise SystemExit(f"demo: {path} missing; run `make models` first ({kind})")
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="ucm-demo-") as tmp:
+    from ucm_patch.hooks.stores.local import scratch_memory_tiers
+
+    with tempfile.TemporaryDirectory(prefix="ucm-demo-") as tmp, scratch_memory_tiers():
         store = Path(tmp) / "kv"
         print(
             f"demo: local store in {store}; tiny Qwen3 in one process, then the 3:1 tiny "

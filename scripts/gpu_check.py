@@ -20,25 +20,40 @@ CUDA graphs, no ``enforce_eager``):
    A's recomputation, and its time to first token;
 3. **OffloadingConnector**: vLLM's own CPU offload in one process (P, reset of the GPU
    prefix cache, Q): the peer's time to first token;
-4. **dump bandwidth** against the rate at which prefill produces KV: bytes the connector
-   stored for P over the time from P's start to its last dump, against the same bytes
-   over P's prefill time.
+4. **dump bandwidth** against the rate at which prefill produces KV: the bytes the
+   connector stored for P over the seconds its dump workers spent copying and storing
+   them (their waits for KV-ready events left out; summed over workers, so a lower bound
+   of the dump path's bandwidth), against the same bytes over P's prefill time; and the
+   tail: how long after P's first token its last dump landed.
+
+The runs of one model that depend on each other (dump, then load) form a chain; the
+chains run side by side (``--jobs``), each process with a fixed KV cache
+(``kv_cache_memory_bytes``: no memory profiling that another process could disturb) and
+its own compile cache. Every GPU step (generate, and P's dumps) holds one lock, so timed
+sections never overlap another process's GPU work. A lent GPU is lent for minutes:
+``--deadline-s`` starts no run past it, and ``--json`` is rewritten after every run.
 
 Prints one table (and writes it as JSON with ``--json``). Exit status 1 when a check that
 has a right answer (hook counts, hit length, equal tokens) fails.
 
-    python scripts/gpu_check.py [--workdir DIR] [--json OUT] [--models dense,hybrid]
+    python scripts/gpu_check.py [--workdir DIR] [--json OUT] [--logs DIR]
+        [--models dense,hybrid] [--jobs N] [--deadline-s S]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +62,15 @@ PROMPT_LEN = 8192
 SHARED = 0.8
 SEED = 0
 REFUSAL = "hybrid prefix hits need vLLM"
+# A fixed KV cache per process: vLLM then skips its memory profiling (which fails when
+# another process on the GPU frees memory meanwhile), and several processes fit at once.
+KV_CACHE_BYTES = {"dense": 6 << 30, "hybrid": 4 << 30}
+# With kv_cache_memory_bytes set, vLLM reads this only to check free memory at start.
+GPU_MEMORY_UTILIZATION = 0.1
+LOCK_ENV = "UCM_GPU_CHECK_LOCK"
+KILLED = "[gpu-check] killed at the deadline"
+# Host memory for KV, the same for our store's memory tier and vLLM's OffloadingConnector.
+HOST_KV_BYTES = 16 << 30
 
 # Qwen3-8B's shape (config.json of Qwen/Qwen3-8B), weights random.
 DENSE = {
@@ -101,13 +125,31 @@ HYBRID = {
     "torch_dtype": "bfloat16",
 }
 MODELS = {"dense": DENSE, "hybrid": HYBRID}
+# ``--tiny``: the same layer layouts, narrow, for a dry run of the check on CPU vLLM.
+TINY = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "num_experts": 4,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+}
 
 
-def write_model(workdir: Path, name: str) -> Path:
+def write_model(workdir: Path, name: str, tiny: bool = False) -> Path:
     """A model directory vLLM loads with ``load_format="dummy"`` (a config is enough)."""
+    config = dict(MODELS[name])
+    if tiny:
+        config.update({k: v for k, v in TINY.items() if k in config})
     path = workdir / name
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(MODELS[name], indent=1))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
 
 
@@ -121,25 +163,40 @@ def layer_kinds(config: dict[str, Any]) -> dict[str, list[str]]:
     return {"gdn": gdn, "attention": attn}
 
 
-def prompts(block: int, seed: int = 1) -> tuple[list[int], list[int], int]:
-    """(P, Q, shared): ``PROMPT_LEN`` tokens each, sharing their first 80 % in whole
-    ``block``-token units (``shared`` tokens; the connector's hit unit)."""
+def prompts(block: int, seed: int = 1) -> tuple[list[int], list[int], list[int], int]:
+    """(P, Q, R, shared): ``PROMPT_LEN`` tokens each, sharing their first 80 % in whole
+    ``block``-token units (``shared`` tokens; the connector's hit unit), tails apart.
+    P is stored; Q measures vLLM's own prefix cache in P's process (and is stored too);
+    R is the prompt the other process loads: its hit is the shared prefix, nothing of Q's."""
     import random
 
     rng = random.Random(seed)
     shared = int(PROMPT_LEN * SHARED) // block * block
     prefix = [rng.randrange(4, 100000) for _ in range(shared)]
     tail = PROMPT_LEN - shared
-    return (
-        prefix + [rng.randrange(4, 100000) for _ in range(tail)],
-        prefix + [rng.randrange(4, 100000) for _ in range(tail)],
-        shared,
-    )
+    p, q, r = (prefix + [rng.randrange(4, 100000) for _ in range(tail)] for _ in range(3))
+    return p, q, r, shared
 
 
 # ======================================================================================
 # child (one vLLM process)
 # ======================================================================================
+@contextlib.contextmanager
+def gpu_turn() -> Iterator[None]:
+    """This process's turn on the GPU: one at a time across the check's processes (the
+    lock file the parent names), so no timed section overlaps another's GPU work."""
+    path = os.environ.get(LOCK_ENV)
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _llm(model: str, ktc: Any, hybrid: bool) -> Any:
     from vllm import LLM
 
@@ -154,7 +211,8 @@ def _llm(model: str, ktc: Any, hybrid: bool) -> Any:
         max_model_len=PROMPT_LEN + 64,
         max_num_seqs=4,
         seed=SEED,
-        gpu_memory_utilization=0.8,
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+        kv_cache_memory_bytes=KV_CACHE_BYTES["hybrid" if hybrid else "dense"],
         enable_prefix_caching=True,
         kv_transfer_config=ktc,
         **extra,
@@ -169,7 +227,12 @@ def _ktc(kind: str, store: str) -> Any:
             kv_connector="UCMPatchConnector",
             kv_connector_module_path="ucm_patch.connector",
             kv_role="kv_both",
-            kv_connector_extra_config={"store": "local", "local_path": store},
+            # the host memory vLLM's OffloadingConnector gets below: the same for both
+            kv_connector_extra_config={
+                "store": "local",
+                "local_path": store,
+                "local_memory_bytes": HOST_KV_BYTES,
+            },
         )
     if kind == "standin":
         from tests.support import STANDIN_CONNECTOR
@@ -179,12 +242,15 @@ def _ktc(kind: str, store: str) -> Any:
         return KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": 16 << 30},
+            kv_connector_extra_config={"cpu_bytes_to_use": HOST_KV_BYTES},
         )
     raise ValueError(f"unknown connector kind {kind!r}")
 
 
-def _generate(llm: Any, ids: list[int], salt: str | None = None, tokens: int = 4) -> dict[str, Any]:
+def _generate(
+    llm: Any, ids: list[int], salt: str | None = None, tokens: int = 4, turn: bool = True
+) -> dict[str, Any]:
+    """One request; ``turn``: take the GPU lock for it (False: the caller holds it)."""
     from vllm import SamplingParams
 
     request: dict[str, Any] = {"prompt_token_ids": ids}
@@ -193,9 +259,10 @@ def _generate(llm: Any, ids: list[int], salt: str | None = None, tokens: int = 4
     params = SamplingParams(
         max_tokens=tokens, temperature=0.0, logprobs=1, ignore_eos=True, detokenize=False
     )
-    t0 = time.perf_counter()
-    out = llm.generate([request], params, use_tqdm=False)[0]
-    seconds = time.perf_counter() - t0
+    with gpu_turn() if turn else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        out = llm.generate([request], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - t0
     comp = out.outputs[0]
     return {
         "seconds": seconds,
@@ -221,7 +288,7 @@ def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
 
         found = connector.active_connectors()
         unit = found[0].layout.unit if found else block
-    p, q, shared = prompts(unit)
+    p, q, r, shared = prompts(unit)
     _ttft(llm, prompts(unit, seed=99)[0], salt="warm-up")  # compile, capture, allocate
     out: dict[str, Any] = {"block_size": block, "unit": unit, "shared": shared}
     if mode == "hooks":
@@ -229,20 +296,24 @@ def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
         out["applied"] = [r["id"] for r in ucm_patch.report() if r["state"] == "applied"]
     elif mode == "dump":
         connector.wait_for_dumps(600)  # the warm-up's dumps are not P's
-        before = connector.stats()["bytes_written"]
-        t0 = time.perf_counter()
-        out["cold"] = _ttft(llm, p)
-        if not connector.wait_for_dumps(600):
-            raise RuntimeError("gpu_check: the dumps of P did not finish in 600 s")
-        out["dump_seconds"] = time.perf_counter() - t0
-        out["dump_bytes"] = connector.stats()["bytes_written"] - before
+        before = connector.stats()
+        with gpu_turn():  # P's prefill and its dumps: nothing else on the GPU meanwhile
+            t0 = time.perf_counter()
+            out["cold"] = _generate(llm, p, tokens=1, turn=False)
+            if not connector.wait_for_dumps(600):
+                raise RuntimeError("gpu_check: the dumps of P did not finish in 600 s")
+            out["dump_seconds"] = time.perf_counter() - t0
+        after = connector.stats()
+        out["dump_bytes"] = after["bytes_written"] - before["bytes_written"]
+        out["dump_work_s"] = after["dump_work_s"] - before["dump_work_s"]
+        out["dump_copy_s"] = after["dump_copy_s"] - before["dump_copy_s"]
         out["own_cache"] = _ttft(llm, q)  # Q's prefix from vLLM's own prefix cache
-        out["recompute"] = _generate(llm, q, salt="recompute")  # nothing can hit
-        out["recompute_ttft"] = _ttft(llm, q, salt="recompute-2")
+        out["recompute"] = _generate(llm, r, salt="recompute")  # R: nothing can hit
+        out["recompute_ttft"] = _ttft(llm, r, salt="recompute-2")
         connector.wait_for_dumps(600)
     elif mode == "load":
-        out["hit_ttft"] = _ttft(llm, q)  # first request: the prefix comes from the store
-        out["hit"] = _generate(llm, q)  # the loaded blocks, now in vLLM's own cache
+        out["hit_ttft"] = _ttft(llm, r)  # first request: the prefix comes from the store
+        out["hit"] = _generate(llm, r)  # the loaded blocks, now in vLLM's own cache
     elif mode == "offload":
         _ttft(llm, p)
         for _ in range(2):  # let finished requests' offloads complete and free
@@ -258,29 +329,98 @@ def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
 # ======================================================================================
 # parent
 # ======================================================================================
+class Session:
+    """One check: its directories, the deadline, and the runs finished so far (rewritten
+    to ``--json`` after each, so a check cut off by the machine's limit still reports)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        logs: Path | None,
+        json_out: Path | None,
+        deadline: float | None,
+        tiny: bool = False,
+    ) -> None:
+        self.workdir = workdir
+        self.tiny = tiny
+        self.logs = logs
+        self.json_out = json_out
+        self.deadline = deadline
+        self.lock_path = workdir / "gpu.lock"
+        self.runs: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def remaining(self) -> float:
+        return 1800.0 if self.deadline is None else self.deadline - time.monotonic()
+
+    def record(self, name: str, key: str, result: dict[str, Any]) -> None:
+        with self._lock:
+            self.runs.setdefault(name, {})[key] = result
+            if self.json_out is not None:
+                cols = [judge(n, MODELS[n], r) for n, r in self.runs.items()]
+                self.json_out.write_text(json.dumps({"columns": cols, "runs": self.runs}, indent=1))
+
+
+def child_env(session: Session, chain: str, env: dict[str, str]) -> dict[str, str]:
+    """The child's environment: the repository after what is already on ``PYTHONPATH``
+    (an installed ucm_patch must win over the source tree's top-level folders; the tree
+    gives ``tests.support``), vLLM in this process (the connector's stats and dumps are
+    read in it), this chain's own compile cache, and the GPU lock."""
+    path = os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), str(REPO)])
+    return {
+        **os.environ,
+        "PYTHONHASHSEED": "0",
+        "PYTHONPATH": path,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CACHE_ROOT": str(session.workdir / f"vllm-cache-{chain}"),
+        LOCK_ENV: str(session.lock_path),
+        **env,
+    }
+
+
 def run_child(
-    mode: str, model: Path, store: Path, hybrid: bool, env: dict[str, str]
+    session: Session,
+    chain: str,
+    mode: str,
+    model: Path,
+    store: Path,
+    hybrid: bool,
+    env: dict[str, str],
 ) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = Path(f.name)
-    cmd = [
-        sys.executable,
-        __file__,
-        "child",
-        mode,
-        str(model),
-        str(store),
-        str(int(hybrid)),
-        str(out),
-    ]
-    full_env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(REPO), **env}
-    print(f"[gpu-check] {model.name} {mode} {env or ''}", flush=True)
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=1800)
-    output = proc.stdout + proc.stderr
-    if proc.returncode != 0:
+    left = session.remaining()
+    if left < 30:
+        return {"error": f"not run: the check's deadline leaves {left:.0f} s"}
+    out = session.workdir / f"{model.name}-{mode}-{chain}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "child", mode, str(model), str(store), str(int(hybrid))]
+    print(f"[gpu-check] start {model.name} {mode} {env or ''}", flush=True)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [*cmd, str(out)],
+            env=child_env(session, chain, env),
+            capture_output=True,
+            text=True,
+            timeout=left,
+        )
+        output, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        parts = [
+            p.decode(errors="replace") if isinstance(p, bytes) else p or ""
+            for p in (exc.stdout, exc.stderr)
+        ]
+        output = "".join(parts) + f"\n{KILLED}"
+        rc = -9
+    print(
+        f"[gpu-check] end {model.name} {mode}: rc {rc}, {time.monotonic() - t0:.0f} s", flush=True
+    )
+    if session.logs is not None:
+        session.logs.mkdir(parents=True, exist_ok=True)
+        (session.logs / f"{model.name}-{chain}-{mode}.log").write_text(output)
+    if rc != 0 or not out.exists():
         return {"error": output[-3000:]}
     result = json.loads(out.read_text())
-    out.unlink()
+    result["process_s"] = time.monotonic() - t0
     refusal = [ln for ln in output.splitlines() if REFUSAL in ln]
     if refusal:
         result["refused"] = refusal[0].split(REFUSAL, 1)[1].strip(" :.")
@@ -308,6 +448,32 @@ def hooks_ok(kinds: dict[str, list[str]], patched: dict[str, Any], plain: dict[s
     return not kinds["gdn"] or plain["counts"]["gdn"]["waits"] == 0
 
 
+def failure(run: dict[str, Any]) -> str:
+    """A failed run's cell: its output's last line (one line, no table pipes)."""
+    lines = [ln.strip() for ln in run.get("error", "").splitlines() if ln.strip()]
+    last = lines[-1] if lines else "failed"
+    if last == KILLED:
+        return "killed at the deadline"
+    return "error: " + last.replace("|", "/")[-160:]
+
+
+def dump_bandwidth(dump: dict[str, Any]) -> dict[str, float]:
+    """P's KV production against the dump path's bandwidth (module docstring, item 4)."""
+    nbytes, prefill_s, work_s = dump["dump_bytes"], dump["cold"]["seconds"], dump["dump_work_s"]
+    produce = nbytes / prefill_s if prefill_s else 0.0
+    capacity = nbytes / work_s if work_s else 0.0
+    out = {
+        "dump_gb": nbytes / 1e9,
+        "kv_produced_gbps": produce / 1e9,
+        "dump_gbps": capacity / 1e9,
+        "dump_vs_production": capacity / produce if produce else 0.0,
+        "dump_tail_ms": 1000 * (dump["dump_seconds"] - prefill_s),
+    }
+    if "dump_copy_s" in dump and work_s:  # where the workers' time went: device copies
+        out["dump_copy_share"] = dump["dump_copy_s"] / work_s  # (the rest: store puts)
+    return out
+
+
 def judge(name: str, config: dict[str, Any], runs: dict[str, Any]) -> dict[str, Any]:
     """One model's column of the table, and whether the checks with a right answer hold."""
     kinds = layer_kinds(config)
@@ -315,16 +481,21 @@ def judge(name: str, config: dict[str, Any], runs: dict[str, Any]) -> dict[str, 
     ok = True
     for label in ("patched", "plain"):
         hooks = runs.get(f"hooks_{label}", {})
-        col[f"hooks_{label}"] = hooks.get("counts", hooks.get("error", "")[-200:])
+        col[f"hooks_{label}"] = (
+            hooks["counts"] if "counts" in hooks else failure(hooks) if hooks else "not run"
+        )
     ok = hooks_ok(kinds, runs.get("hooks_patched", {}), runs.get("hooks_plain", {}))
     dump, load, off = runs.get("dump", {}), runs.get("load", {}), runs.get("offload", {})
     if "error" in dump or "error" in load:
-        col["hit"] = (dump.get("error") or load.get("error") or "")[-300:]
+        col["hit"] = failure(dump if "error" in dump else load)
+        ok = False
+    elif not (dump and load):  # not run (yet): the deadline, or a report mid-check
+        col["hit"] = "not run"
         ok = False
     elif dump.get("refused"):  # the connector's own start-up refusal (older vLLM)
         col["hit"] = f"refused at start: {dump['refused']}"
         ok &= load["hit_ttft"]["num_cached_tokens"] == 0 and dump["dump_bytes"] == 0
-    elif dump and load:
+    else:
         unit = load.get("unit", load["block_size"])
         want = load["shared"] // unit * unit
         ref, hit = dump["recompute"], load["hit"]
@@ -344,12 +515,7 @@ def judge(name: str, config: dict[str, Any], runs: dict[str, Any]) -> dict[str, 
             if "hit_ttft" in off
             else None,
         }
-        prefill_s = dump["cold"]["seconds"]
-        produce = dump["dump_bytes"] / prefill_s if prefill_s else 0.0
-        dumped = dump["dump_bytes"] / dump["dump_seconds"] if dump["dump_seconds"] else 0.0
-        col["kv_produced_gbps"] = produce / 1e9
-        col["dump_gbps"] = dumped / 1e9
-        col["dump_vs_production"] = dumped / produce if produce else 0.0
+        col.update(dump_bandwidth(dump))
     col["ok"] = ok
     return col
 
@@ -371,9 +537,12 @@ def render(cols: list[dict[str, Any]]) -> str:
         "same_tokens",
         "max_logprob_diff",
         "ttft_ms",
+        "dump_gb",
         "kv_produced_gbps",
         "dump_gbps",
         "dump_vs_production",
+        "dump_tail_ms",
+        "dump_copy_share",
         "ok",
     ):
         rows.append((key, [cell(c.get(key, "-")) for c in cols]))
@@ -382,25 +551,42 @@ def render(cols: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def check_model(name: str, workdir: Path) -> dict[str, Any]:
-    config = MODELS[name]
-    model = write_model(workdir, name)
-    hybrid = name == "hybrid"
-    kinds = layer_kinds(config)
-    runs: dict[str, Any] = {}
+def hooks_chain(session: Session, name: str) -> None:
+    """The counting connector with ucm_patch, then with ``UCM_PATCH=0``."""
+    model = write_model(session.workdir, name, session.tiny)
+    kinds = layer_kinds(MODELS[name])
     for label, env in (("patched", {}), ("plain", {"UCM_PATCH": "0"})):
-        record = workdir / f"{name}-{label}.jsonl"
+        record = session.workdir / f"{name}-{label}.jsonl"
         record.unlink(missing_ok=True)
         env = {**env, "UCM_TEST_RECORD": str(record)}
-        result = run_child("hooks", model, workdir / "unused", hybrid, env)
+        result = run_child(
+            session,
+            f"{name}-hooks",
+            "hooks",
+            model,
+            session.workdir / "unused",
+            name == "hybrid",
+            env,
+        )
         if "error" not in result:
             result["counts"] = {kind: hook_counts(record, v) for kind, v in kinds.items()}
-        runs[f"hooks_{label}"] = result
-    store = workdir / f"{name}-store"
-    runs["dump"] = run_child("dump", model, store, hybrid, {})
-    runs["load"] = run_child("load", model, store, hybrid, {})
-    runs["offload"] = run_child("offload", model, workdir / "unused", hybrid, {})
-    return judge(name, config, runs)
+        session.record(name, f"hooks_{label}", result)
+
+
+def connector_chain(session: Session, name: str) -> None:
+    """Process A dumps, process B (same hash seed) loads; then vLLM's OffloadingConnector."""
+    model = write_model(session.workdir, name, session.tiny)
+    store = session.workdir / f"{name}-store"
+    hybrid = name == "hybrid"
+    for mode in ("dump", "load"):
+        session.record(
+            name, mode, run_child(session, f"{name}-ucm", mode, model, store, hybrid, {})
+        )
+    session.record(
+        name,
+        "offload",
+        run_child(session, f"{name}-ucm", "offload", model, session.workdir / "unused", hybrid, {}),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,14 +597,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="the table as JSON, rewritten after each run")
+    ap.add_argument("--logs", default=None, help="a folder for every child's whole output")
     ap.add_argument("--models", default="dense,hybrid")
+    ap.add_argument("--jobs", type=int, default=1, help="chains run side by side")
+    ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this")
+    ap.add_argument("--tiny", action="store_true", help="narrow models: a dry run on CPU vLLM")
     args = ap.parse_args(argv)
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown model {unknown[0]!r} (known: {', '.join(MODELS)})")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ucm-gpu-check-"))
-    cols = [check_model(name, workdir) for name in args.models.split(",")]
+    workdir.mkdir(parents=True, exist_ok=True)
+    deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
+    session = Session(
+        workdir,
+        Path(args.logs) if args.logs else None,
+        Path(args.json) if args.json else None,
+        deadline,
+        args.tiny,
+    )
+    # the connector chains first: they carry the checks a user's hit depends on
+    chains = [(connector_chain, n) for n in names] + [(hooks_chain, n) for n in names]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for future in [pool.submit(fn, session, n) for fn, n in chains]:
+            future.result()
+    cols = [judge(n, MODELS[n], session.runs.get(n, {})) for n in names]
     print(render(cols))
-    if args.json:
-        Path(args.json).write_text(json.dumps(cols, indent=1))
     return 0 if all(c["ok"] for c in cols) else 1
 
 

@@ -248,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / "models" / "tiny-qwen3-sharp"))
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="ucm-serve-demo-") as tmp:
+    from ucm_patch.hooks.stores.local import scratch_memory_tiers
+
+    with tempfile.TemporaryDirectory(prefix="ucm-serve-demo-") as tmp, scratch_memory_tiers():
         runs = run(Path(args.model), Path(tmp))
     for name, r in runs.items():
         m = r["after"]

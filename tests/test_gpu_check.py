@@ -30,6 +30,7 @@ def _runs(hit: int, want_tokens: bool = True, gdn_plain: int = 0) -> dict:
             "cold": {"seconds": 0.5},
             "dump_bytes": 4 << 30,
             "dump_seconds": 0.8,
+            "dump_work_s": 0.4,
         },
         "load": {
             "block_size": 16,
@@ -48,7 +49,9 @@ def test_a_right_run_passes_and_each_wrong_answer_fails():
     assert not gc.judge("hybrid", config, _runs(6544, want_tokens=False))["ok"]
     assert not gc.judge("hybrid", config, _runs(6544, gdn_plain=3))["ok"]  # GDN hooked unpatched
     col = gc.judge("hybrid", config, _runs(6544))
-    assert col["dump_vs_production"] == pytest.approx(0.5 / 0.8)
+    # bandwidth: bytes over the workers' own seconds (0.4) against bytes over prefill (0.5)
+    assert col["dump_vs_production"] == pytest.approx(0.5 / 0.4)
+    assert col["dump_tail_ms"] == pytest.approx(300)
     assert "| ok | True |" in gc.render([col])
 
 
@@ -62,9 +65,32 @@ def test_refusal_passes_only_with_nothing_stored_and_no_hit():
 
 
 def test_prompts_share_whole_blocks():
-    p, q, shared = gc.prompts(16)
-    assert len(p) == len(q) == gc.PROMPT_LEN and shared % 16 == 0
-    assert p[:shared] == q[:shared] and p[shared:] != q[shared:]
+    p, q, r, shared = gc.prompts(16)
+    assert len(p) == len(q) == len(r) == gc.PROMPT_LEN and shared % 16 == 0
+    assert p[:shared] == q[:shared] == r[:shared]
+    # R's tail is its own: a store holding P and Q hits R's shared prefix, no more
+    assert len({tuple(p[shared:]), tuple(q[shared:]), tuple(r[shared:])}) == 3
+    assert r[shared] not in (p[shared], q[shared])
+
+
+def test_a_failed_run_is_one_line_of_the_table():
+    runs = _runs(6544)
+    runs["load"] = {"error": "Traceback ...\n  File x\nRuntimeError: CUDA error: a | b\n"}
+    runs["hooks_plain"] = {"error": "Capturing CUDA graphs 3/3\n" + gc.KILLED}
+    col = gc.judge("hybrid", gc.MODELS["hybrid"], runs)
+    assert col["hit"] == "error: RuntimeError: CUDA error: a / b" and not col["ok"]
+    assert col["hooks_plain"] == "killed at the deadline"
+    table = gc.render([col])
+    assert all(line.count("|") == 3 for line in table.splitlines())
+
+
+def test_a_partial_run_is_judged_not_run():
+    runs = _runs(6544)
+    del runs["load"]
+    col = gc.judge("hybrid", gc.MODELS["hybrid"], runs)
+    assert col["hit"] == "not run" and not col["ok"]
+    runs = {"dump": {"refused": "hybrid prefix hits need vLLM >= 0.29", "dump_bytes": 0}}
+    assert gc.judge("hybrid", gc.MODELS["hybrid"], runs)["hit"] == "not run"
 
 
 @pytest.mark.vllm

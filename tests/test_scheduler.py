@@ -381,6 +381,32 @@ def test_payload_callable_runs_after_the_event(make_sched) -> None:
     assert sched.internal_sizes() == ZERO_SIZES
 
 
+def test_dump_time_is_split_into_event_wait_copy_and_put(make_sched) -> None:
+    """A dump's duration = its wait for the KV-ready event + its payload callable (the
+    connector's device copy) + the store's put: each part is counted, so make gpu-check
+    can set the dump path's own seconds against KV production."""
+    store = FakeStore(latency_s=0.05)
+    sched = make_sched(workers=1)
+    event = FakeEvent()
+
+    def produce(task) -> tuple[list[str], list[bytes]]:
+        time.sleep(0.1)
+        return ["k"], host(1)
+
+    batch = sched.open_batch(["r"], store)
+    sched.submit(batch, 0, None, produce, event=event)
+    sched.seal(batch)
+    time.sleep(0.2)
+    event.set()
+    assert finish(sched, ["r"]) == ({"r"}, set())
+    m = sched.metrics
+    wait, copy = m.dump_event_wait_s, m.dump_produce_s
+    put = m.dump_duration.total - wait - copy
+    assert wait >= 0.15 and 0.1 <= copy < wait and put >= 0.05, (wait, copy, put)
+    snap = m.snapshot()
+    assert snap["dump_event_wait_s"] == wait and snap["dump_produce_s"] == copy
+
+
 def test_bad_payload_and_buggy_callable_fail_the_dump_not_the_worker(make_sched) -> None:
     store = FakeStore()
     sched = make_sched(workers=1)

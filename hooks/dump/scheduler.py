@@ -654,13 +654,18 @@ class DumpScheduler:
     def _run(self, task: DumpTask) -> int:
         """Wait for the event, produce the bytes, put them (no scheduler state touched)."""
         event = task.event
+        waited = monotonic()
         if event is not None:
             event.synchronize()
         elif task.source == _SYNC:
             self.device.synchronize()
+        # what remains of the task's duration is the dump's own work (copy, put)
+        produced = monotonic()
+        task.event_wait = produced - waited
         data = task.data
         if callable(data):
             data = data(task)
+            task.produce = monotonic() - produced  # the device copy, for the connector
         keys = task.keys
         if keys is None:
             keys, data = data
@@ -713,6 +718,8 @@ class DumpScheduler:
                 m.dumps_completed += 1
                 m.bytes_written += task.nbytes
                 m.dump_duration.observe(task.duration)
+                m.dump_event_wait_s += task.event_wait
+                m.dump_produce_s += task.produce
                 if len(m.dump_durations) < DURATION_SAMPLES_MAX:
                     m.dump_durations.append(task.duration)
             elif status == CANCELLED:
@@ -731,6 +738,8 @@ class DumpScheduler:
             task.error = ""
             task.nbytes = 0
             task.duration = 0.0
+            task.event_wait = 0.0
+            task.produce = 0.0
             if batch is not None:
                 if status != OK:
                     batch.failed = True

@@ -123,9 +123,11 @@ class DumpTask:
         "duration",
         "error",
         "event",
+        "event_wait",
         "keys",
         "nbytes",
         "owned",
+        "produce",
         "row",
         "source",
         "status",
@@ -142,4 +144,6 @@ class DumpTask:
         self.status = OK
         self.nbytes = 0
         self.duration = 0.0  # seconds the worker spent on it (event wait + payload + put)
+        self.event_wait = 0.0  # of which waiting for the KV-ready event (the GPU's time)
+        self.produce = 0.0  # of which running a payload callable (a device-to-host copy)
         self.error = ""

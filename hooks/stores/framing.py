@@ -59,6 +59,8 @@ import struct
 import zlib
 from collections.abc import Callable
 
+from ucm_patch.hooks.stores.memcopy import addresses, copy_bytes, move
+
 try:  # XXH3 (module docstring); CRC32 without the package
     from xxhash import xxh3_64 as _xxh3_64
     from xxhash import xxh3_64_intdigest as _xxh3_64_int
@@ -215,7 +217,7 @@ def copy_framed(key: bytes, dst: memoryview, src: memoryview, secret: bytes | No
     digest is the one-call digest, so the header is :func:`make_header`'s."""
     n = len(src)
     if n <= PIECE:
-        dst[:] = src
+        copy_bytes(dst, src)
         return make_header(key, dst, secret)
     if secret is not None:
         prefix = _keyed_prefix(n)
@@ -225,7 +227,7 @@ def copy_framed(key: bytes, dst: memoryview, src: memoryview, secret: bytes | No
         return prefix + mac.digest()
     prefix = _prefixes.get(n) or _unkeyed_prefix(n)
     if _xxh3_64 is None:
-        dst[:] = src
+        copy_bytes(dst, src)
         return make_header(key, dst)
     h = _xxh3_64(seed=_xxh3_64_int(prefix + key))
     _copy_hashing(dst, src, h.update)
@@ -254,15 +256,26 @@ def copy_verified(
         if _U32.unpack_from(header, _PREFIX)[0] == h.intdigest() & _LOW32:
             return
     else:
-        dst[:] = src
+        copy_bytes(dst, src)
     verify(key, header, dst, secret)  # raises, naming the check that failed
 
 
 def _copy_hashing(dst: memoryview, src: memoryview, update: Callable[[memoryview], object]) -> None:
-    for at in range(0, len(src), PIECE):
-        piece = dst[at : at + PIECE]
-        piece[:] = src[at : at + PIECE]
-        update(piece)
+    """Copy piece by piece, hashing each piece right after its copy; both without the
+    GIL (memcopy.move, XXH3), so several workers copy at once. ``dst`` and ``src`` have
+    the same length (the callers' slices)."""
+    n = len(src)
+    where = addresses(dst, src) if len(dst) == n else None
+    if where is None:
+        for at in range(0, n, PIECE):
+            piece = dst[at : at + PIECE]
+            copy_bytes(piece, src[at : at + PIECE])
+            update(piece)
+        return
+    to, frm = where
+    for at in range(0, n, PIECE):
+        move(to + at, frm + at, min(PIECE, n - at))
+        update(dst[at : at + PIECE])
 
 
 def payload_length(header: bytes | memoryview) -> int:

@@ -38,11 +38,14 @@ Guarantees (each proven in tests/test_store_local*.py):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from xxhash import xxh3_128_digest
@@ -98,6 +101,28 @@ def default_memory_bytes(memory_path: str | None, disk_path: str) -> int:
     except OSError:
         return 0
     return min(DEFAULT_MEMORY, vfs.f_blocks * vfs.f_frsize // 8)
+
+
+@contextlib.contextmanager
+def scratch_memory_tiers() -> Iterator[str]:
+    """For demos and benchmarks whose store directories are temporary: the default memory
+    tiers of stores opened meanwhile, in this process and in children started meanwhile
+    (``XDG_RUNTIME_DIR``, see :func:`default_memory_path`), live in one directory on
+    ``/dev/shm`` that is removed on exit. A tier allocates its capacity when it opens, so
+    a tier left behind per run would take that memory for good."""
+    base = tempfile.mkdtemp(
+        prefix="ucm_patch-scratch-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    )
+    before = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = base
+    try:
+        yield base
+    finally:
+        if before is None:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = before
+        shutil.rmtree(base, ignore_errors=True)
 
 
 class Placement(NamedTuple):
@@ -413,4 +438,5 @@ __all__ = [
     "default_memory_bytes",
     "default_memory_path",
     "digest_of",
+    "scratch_memory_tiers",
 ]

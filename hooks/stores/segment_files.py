@@ -30,6 +30,7 @@ import threading
 from typing import Any
 
 from ucm_patch.hooks.stores.framing import CorruptValue
+from ucm_patch.hooks.stores.memcopy import copy_bytes
 
 _FLAGS = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
 
@@ -297,7 +298,7 @@ class MappedSegments(FileSegments):
         view = self.mapping(seg, end, write=True)
         for p in parts:
             n = len(p)
-            view[offset : offset + n] = p
+            copy_bytes(view[offset : offset + n], p)
             offset += n
 
     def read_into(self, seg: int, offset: int, bufs: list[memoryview]) -> None:
@@ -305,7 +306,7 @@ class MappedSegments(FileSegments):
         view = self._view(seg, end)
         for b in bufs:
             n = len(b)
-            b[:] = view[offset : offset + n]
+            copy_bytes(b, view[offset : offset + n])
             offset += n
 
     def read(self, seg: int, offset: int, n: int) -> bytes:

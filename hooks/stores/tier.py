@@ -23,6 +23,7 @@ segment's slot in the shared ``lru`` file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -45,7 +46,8 @@ from ucm_patch.hooks.stores.framing import (
     make_header,
     verify,
 )
-from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments
+from ucm_patch.hooks.stores.memcopy import copy_bytes
+from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments, segment_name
 from ucm_patch.hooks.stores.segment_index import LOC, Loc, SegmentIndex, SegRow, pid_alive
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,26 @@ _TICK = struct.Struct("<Q")
 Record = tuple[bytes, bytes, memoryview]
 #: Takes the live values of a segment being emptied: (digest, frame header, payload).
 Spill = Callable[[list[Record]], None]
+
+
+def on_tmpfs(path: str) -> bool:
+    """Whether ``path`` lies on a memory file system (tmpfs, ramfs), by the longest mount
+    point of ``/proc/self/mounts`` above it; False when that cannot be read. Only there
+    does allocating a segment ahead take memory a put would otherwise fault in (a memory
+    tier pointed at a disk would reserve disk space with it, for nothing)."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split()[1:3] for line in f if line.count(" ") >= 3]
+    except OSError:
+        return False
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, fstype
+    return kind in ("tmpfs", "ramfs")
 
 
 def record_bytes(payload: int) -> int:
@@ -134,8 +156,59 @@ class Tier:
         cls = MappedSegments if mapped else FileSegments
         self.files = cls(self._dir, self.path, self.segment_bytes, file_mode)
         self._ticks = self._open_ticks(file_mode)
+        self._warmer: threading.Thread | None = None
+        self._stop_warming = threading.Event()
         if not self.index.read_only:
             self._shrink()
+            if mapped and on_tmpfs(self.path):
+                self._warmer = threading.Thread(
+                    target=self._warm, name=f"ucm-{name}-tier-warmer", daemon=True
+                )
+                self._warmer.start()
+
+    def _warm(self) -> None:
+        """Allocate and map every segment of the capacity, in the background, once per
+        process (a memory tier on a tmpfs).
+
+        Why: the first write into a page of a tmpfs file allocates the page and faults it
+        into the mapping. On a virtual machine with 4 KiB pages that costs several times
+        the copy into a mapped page, and a put into fresh segments fell behind the KV a GPU
+        produces (docs/GPU.md, docs/CONNECTOR.md#store: the measurements). A reader that
+        maps a segment in its process pays the mapping part too. So the capacity is
+        allocated (and mapped) when the store opens, like the pinned pool of LMCache or
+        the CPU buffer of vLLM's offloading connector: what a put or a get
+        finds is mapped, and a segment emptied for reuse keeps its pages. At the lowest
+        CPU priority (a thread's nice value, Linux), so it never competes with serving;
+        ENOSPC or any other error stops it quietly: the put path meets and handles it.
+        It never allocates the last quarter of the file system ahead of use: /dev/shm is
+        shared (vLLM's and NCCL's shared-memory buffers live there too); a put still takes
+        that room when it needs it, as before."""
+        with contextlib.suppress(OSError):  # per-thread nice: Linux's setpriority on a tid
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        for seg in range(self.count):
+            if self._stop_warming.is_set():
+                return
+            try:
+                if not self._allocated(seg):
+                    fs = os.statvfs(self.path)
+                    if (fs.f_bavail - fs.f_blocks // 4) * fs.f_frsize < self.segment_bytes:
+                        log.debug("%s tier %s: warming stopped at segment %d (a quarter of "
+                                  "the file system left)", self.name, self.path, seg)  # fmt: skip
+                        return
+                self.files.fd(seg, create=True)
+            except (OSError, StoreError) as exc:
+                log.debug(
+                    "%s tier %s: warming stopped at segment %d: %s", self.name, self.path, seg, exc
+                )
+                return
+
+    def _allocated(self, seg: int) -> bool:
+        """Whether segment ``seg``'s file exists with all its pages (mapping it takes none)."""
+        try:
+            st = os.stat(segment_name(seg), dir_fd=self._dir, follow_symlinks=False)
+        except OSError:
+            return False
+        return st.st_blocks * 512 >= self.segment_bytes
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -263,10 +336,10 @@ class Tier:
                 at = off + RECORD_HEADER
                 stop = at + len(payload)
                 if framed:
-                    view[at:stop] = payload
+                    copy_bytes(view[at:stop], payload)
                     header = key
                 elif stop - at <= PIECE:  # copy_framed's first case, without its call
-                    view[at:stop] = payload
+                    copy_bytes(view[at:stop], payload)
                     header = make_header(key, view[at:stop], secret)
                 else:
                     header = copy_framed(key, view[at:stop], payload, secret)
@@ -448,6 +521,10 @@ class Tier:
         return self.index.count()
 
     def close(self) -> None:
+        warmer = self._warmer
+        if warmer is not None:  # at most one segment's allocation away from stopping
+            self._stop_warming.set()
+            warmer.join()
         self.files.close()
         self.index.close()
         self._ticks.release()

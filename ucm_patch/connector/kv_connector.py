@@ -352,8 +352,11 @@ def register_with_vllm() -> bool:
         return True
 
 
-def stats() -> dict[str, int]:
-    """This process's connector counters plus the dump scheduler's main ones."""
+def stats() -> dict[str, float]:
+    """This process's connector counters plus the dump scheduler's main ones
+    (``dump_work_s``: seconds the dump workers spent copying and storing completed dumps,
+    their waits for KV-ready events left out; ``dump_copy_s``: of which copying the pages
+    off the device into staging buffers, the rest being the store's puts)."""
     from ucm_patch.hooks.metrics import METRICS
 
     out = connector_stats.snapshot()
@@ -362,6 +365,8 @@ def stats() -> dict[str, int]:
     out["dumps_skipped"] = METRICS.dumps_skipped
     out["dumps_lost"] = METRICS.dumps_lost
     out["bytes_written"] = METRICS.bytes_written
+    out["dump_work_s"] = METRICS.dump_duration.total - METRICS.dump_event_wait_s
+    out["dump_copy_s"] = METRICS.dump_produce_s
     return out
 
 
