@@ -25,6 +25,7 @@ import pytest
 # Run as a script (the child driver) too: the repository root makes tests.support importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.support import remove_tier_dir
 from tests.support.store_contract import CASES, Harness
 from ucm_patch.hooks.stores import (
     StoreConfigError,
@@ -78,7 +79,7 @@ def shm_dir() -> Iterator[Path]:
     """A memory-tier directory on the real tmpfs (/dev/shm), removed afterwards."""
     path = Path("/dev/shm") / f"ucm_patch-test-{os.getpid()}-{time.monotonic_ns()}"
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tier_dir(path)
 
 
 @pytest.mark.parametrize("tiers", ["disk", "memory+disk"])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import remove_tier_dir
 from ucm_patch.hooks.stores.local import LocalStore
 from ucm_patch.hooks.stores.tier import on_tmpfs
 
@@ -30,7 +30,7 @@ SEG = 1 << 20
 def shm_dir() -> Iterator[Path]:
     path = Path("/dev/shm") / f"ucm_patch-warm-{os.getpid()}-{time.monotonic_ns()}"
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tier_dir(path)
 
 
 def _open(tmp_path: Path, shm_dir: Path, segments: int = 8) -> LocalStore:
@@ -224,3 +224,32 @@ def test_scratch_memory_tiers_go_with_the_demo(tmp_path: Path, monkeypatch) -> N
             store.close()
     assert not Path(base).exists()
     assert os.environ["XDG_RUNTIME_DIR"] == "/nonexistent-before"
+
+
+def test_a_store_dropped_without_close_stops_warming(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warmer holds its tier weakly: a store nobody references (a tool that forgot
+    close()) is collected, and its warmer stops at the next segment."""
+    import gc
+
+    gate = threading.Event()
+    real = os.posix_fallocate
+
+    def slow(fd: int, offset: int, n: int) -> None:
+        if _is_segment(fd):
+            gate.wait(5)
+            time.sleep(0.02)  # 64 segments take over a second: time for the collector
+        real(fd, offset, n)
+
+    monkeypatch.setattr(os, "posix_fallocate", slow)
+    store = _open(tmp_path, shm_dir, segments=64)
+    warmer = store.memory._warmer
+    del store
+    gate.set()
+    deadline = time.monotonic() + 10
+    while warmer.is_alive() and time.monotonic() < deadline:
+        gc.collect()  # no cycle holds a store (the tier spills through a weak method)
+        time.sleep(0.01)
+    assert not warmer.is_alive()
+    assert len(list(shm_dir.glob("seg-*"))) < 64

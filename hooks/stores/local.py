@@ -45,7 +45,8 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from xxhash import xxh3_128_digest
@@ -125,6 +126,20 @@ def scratch_memory_tiers() -> Iterator[str]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _weak_spill(store: LocalStore) -> Callable[[list[Record]], None]:
+    """``store._spill`` without a reference to ``store``: the memory tier holding it would
+    make a cycle, and a store dropped without ``close()`` would then live (and its tier's
+    warmer keep allocating) until the cycle collector ran."""
+    method = weakref.WeakMethod(store._spill)
+
+    def spill(records: list[Record]) -> None:
+        target = method()
+        if target is not None:
+            target(records)
+
+    return spill
+
+
 class Placement(NamedTuple):
     tier: str
     file: str
@@ -172,8 +187,8 @@ class LocalStore(KVStore):
         if memory_bytes:
             where = os.fspath(memory_path) if memory_path else default_memory_path(self.path)
             self.memory = Tier(
-                "memory", where, memory_bytes, segment_bytes, mapped=True,
-                dir_mode=dir_mode, file_mode=file_mode, spill=self._spill, secret=self._secret,
+                "memory", where, memory_bytes, segment_bytes, mapped=True, dir_mode=dir_mode,
+                file_mode=file_mode, spill=_weak_spill(self), secret=self._secret,
             )  # fmt: skip
         self.tiers: tuple[Tier, ...] = (self.memory, self.disk) if self.memory else (self.disk,)
         self.capacity_bytes = self.disk.capacity_bytes

@@ -32,6 +32,7 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -83,6 +84,36 @@ def on_tmpfs(path: str) -> bool:
         if inside and len(point) > len(best):
             best, kind = point, fstype
     return kind in ("tmpfs", "ramfs")
+
+
+def _warm(ref: weakref.ref[Tier], count: int) -> None:
+    """Allocate and map every segment of a tier's capacity, in the background, once per
+    process (a memory tier on a tmpfs; the tier's warmer thread runs this).
+
+    Why: the first write into a page of a tmpfs file allocates the page and faults it
+    into the mapping. On a virtual machine with 4 KiB pages that costs several times
+    the copy into a mapped page, and a put into fresh segments fell behind the KV a GPU
+    produces (docs/GPU.md, docs/CONNECTOR.md#store: the measurements). A reader that
+    maps a segment in its process pays the mapping part too. So the capacity is
+    allocated (and mapped) when the store opens, like the pinned pool of LMCache or
+    the CPU buffer of vLLM's offloading connector: what a put or a get
+    finds is mapped, and a segment emptied for reuse keeps its pages. At the lowest
+    CPU priority (a thread's nice value, Linux), so it never competes with serving;
+    ENOSPC or any other error stops it quietly: the put path meets and handles it.
+    It never allocates the last quarter of the file system ahead of use: /dev/shm is
+    shared (vLLM's and NCCL's shared-memory buffers live there too); a put still takes
+    that room when it needs it, as before.
+
+    The thread holds the tier weakly: a store dropped without ``close()`` (a test's, a
+    tool's) is not kept alive by it, and warming stops at its next segment.
+    """
+    with contextlib.suppress(OSError):  # per-thread nice: Linux's setpriority on a tid
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    for seg in range(count):
+        tier = ref()
+        if tier is None or not tier._warm_segment(seg):
+            return
+        del tier
 
 
 def record_bytes(payload: int) -> int:
@@ -162,45 +193,31 @@ class Tier:
             self._shrink()
             if mapped and on_tmpfs(self.path):
                 self._warmer = threading.Thread(
-                    target=self._warm, name=f"ucm-{name}-tier-warmer", daemon=True
+                    target=_warm,
+                    args=(weakref.ref(self), self.count),
+                    name=f"ucm-{name}-tier-warmer",
+                    daemon=True,
                 )
                 self._warmer.start()
 
-    def _warm(self) -> None:
-        """Allocate and map every segment of the capacity, in the background, once per
-        process (a memory tier on a tmpfs).
-
-        Why: the first write into a page of a tmpfs file allocates the page and faults it
-        into the mapping. On a virtual machine with 4 KiB pages that costs several times
-        the copy into a mapped page, and a put into fresh segments fell behind the KV a GPU
-        produces (docs/GPU.md, docs/CONNECTOR.md#store: the measurements). A reader that
-        maps a segment in its process pays the mapping part too. So the capacity is
-        allocated (and mapped) when the store opens, like the pinned pool of LMCache or
-        the CPU buffer of vLLM's offloading connector: what a put or a get
-        finds is mapped, and a segment emptied for reuse keeps its pages. At the lowest
-        CPU priority (a thread's nice value, Linux), so it never competes with serving;
-        ENOSPC or any other error stops it quietly: the put path meets and handles it.
-        It never allocates the last quarter of the file system ahead of use: /dev/shm is
-        shared (vLLM's and NCCL's shared-memory buffers live there too); a put still takes
-        that room when it needs it, as before."""
-        with contextlib.suppress(OSError):  # per-thread nice: Linux's setpriority on a tid
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        for seg in range(self.count):
-            if self._stop_warming.is_set():
-                return
-            try:
-                if not self._allocated(seg):
-                    fs = os.statvfs(self.path)
-                    if (fs.f_bavail - fs.f_blocks // 4) * fs.f_frsize < self.segment_bytes:
-                        log.debug("%s tier %s: warming stopped at segment %d (a quarter of "
-                                  "the file system left)", self.name, self.path, seg)  # fmt: skip
-                        return
-                self.files.fd(seg, create=True)
-            except (OSError, StoreError) as exc:
-                log.debug(
-                    "%s tier %s: warming stopped at segment %d: %s", self.name, self.path, seg, exc
-                )
-                return
+    def _warm_segment(self, seg: int) -> bool:
+        """Allocate and map segment ``seg`` (:func:`_warm`); False when warming stops."""
+        if self._stop_warming.is_set():
+            return False
+        try:
+            if not self._allocated(seg):
+                fs = os.statvfs(self.path)
+                if (fs.f_bavail - fs.f_blocks // 4) * fs.f_frsize < self.segment_bytes:
+                    log.debug("%s tier %s: warming stopped at segment %d (a quarter of "
+                              "the file system left)", self.name, self.path, seg)  # fmt: skip
+                    return False
+            self.files.fd(seg, create=True)
+        except (OSError, StoreError) as exc:
+            log.debug(
+                "%s tier %s: warming stopped at segment %d: %s", self.name, self.path, seg, exc
+            )
+            return False
+        return True
 
     def _allocated(self, seg: int) -> bool:
         """Whether segment ``seg``'s file exists with all its pages (mapping it takes none)."""

@@ -34,6 +34,22 @@ def repo_pythonpath() -> str:
     return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+def remove_tier_dir(path: Path) -> None:
+    """Remove a memory-tier directory a test made on /dev/shm. A store the test dropped
+    without close() may still be warming it (allocating segments in a thread until the
+    store is collected): collect it first, and retry while a last segment lands."""
+    import gc
+    import shutil
+    import time
+
+    gc.collect()
+    for _ in range(50):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.02)
+
+
 def load_script(name: str) -> ModuleType:
     """``scripts/<name>.py`` imported as module ``name`` (the scripts are not a package;
     tests drive the very functions ``make`` runs)."""
