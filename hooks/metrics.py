@@ -84,6 +84,7 @@ class DumpMetrics:
 
     __slots__ = (
         "bytes_written",
+        "dump_busy_s",
         "dump_duration",
         "dump_durations",
         "dump_event_wait_s",
@@ -140,6 +141,10 @@ class DumpMetrics:
         # ... and the seconds their payload callables ran (the connector's device copy):
         # the rest of the work is the store's put
         self.dump_produce_s = 0.0
+        # Wall seconds during which at least one worker was past its task's event wait
+        # (copying, putting): bytes over it is what the dump path absorbs while it works,
+        # however many workers share it (the sums above count each worker's seconds).
+        self.dump_busy_s = 0.0
         self.preempt_wait = Histogram()  # handle_preemptions blocking time (seconds)
         #: Callable returning (live owned, live borrowed) handles; set by the ledger.
         self.live_handles: Callable[[], tuple[int, int]] = _no_handles

@@ -19,12 +19,14 @@ CUDA graphs, no ``enforce_eager``):
    process B (same ``PYTHONHASHSEED``) runs Q: hit tokens, tokens and logprobs equal to
    A's recomputation, and its time to first token;
 3. **OffloadingConnector**: vLLM's own CPU offload in one process (P, reset of the GPU
-   prefix cache, Q): the peer's time to first token;
+   prefix cache, Q): the peer's time to first token (not run for a model whose
+   connector refused at start: there is no hit to compare);
 4. **dump bandwidth** against the rate at which prefill produces KV: the bytes the
-   connector stored for P over the seconds its dump workers spent copying and storing
-   them (their waits for KV-ready events left out; summed over workers, so a lower bound
-   of the dump path's bandwidth), against the same bytes over P's prefill time; and the
-   tail: how long after P's first token its last dump landed.
+   connector stored for P over the wall seconds during which any dump worker was copying
+   or storing them (``dump_busy_s``: waits for KV-ready events and idle time left out,
+   workers at work together counted once), against the same bytes over P's prefill time;
+   the tail: how long after P's first token its last dump landed; and the dump and load
+   threads the connector chose (``copy_threads``).
 
 The runs of one model that depend on each other (dump, then load) form a chain; the
 chains run side by side (``--jobs``), each process with a fixed KV cache
@@ -68,6 +70,8 @@ KV_CACHE_BYTES = {"dense": 6 << 30, "hybrid": 4 << 30}
 # With kv_cache_memory_bytes set, vLLM reads this only to check free memory at start.
 GPU_MEMORY_UTILIZATION = 0.1
 LOCK_ENV = "UCM_GPU_CHECK_LOCK"
+# ``--threads``: the dump and load threads of a column's connector (else its default)
+THREADS_ENV = "UCM_GPU_CHECK_THREADS"
 KILLED = "[gpu-check] killed at the deadline"
 # Host memory for KV, the same for our store's memory tier and vLLM's OffloadingConnector.
 HOST_KV_BYTES = 16 << 30
@@ -223,16 +227,20 @@ def _ktc(kind: str, store: str) -> Any:
     from vllm.config import KVTransferConfig
 
     if kind == "ucm":
+        extra: dict[str, Any] = {
+            "store": "local",
+            "local_path": store,
+            # the host memory vLLM's OffloadingConnector gets below: the same for both
+            "local_memory_bytes": HOST_KV_BYTES,
+        }
+        threads = os.environ.get(THREADS_ENV)
+        if threads:
+            extra["dump_workers"] = extra["load_workers"] = int(threads)
         return KVTransferConfig(
             kv_connector="UCMPatchConnector",
             kv_connector_module_path="ucm_patch.connector",
             kv_role="kv_both",
-            # the host memory vLLM's OffloadingConnector gets below: the same for both
-            kv_connector_extra_config={
-                "store": "local",
-                "local_path": store,
-                "local_memory_bytes": HOST_KV_BYTES,
-            },
+            kv_connector_extra_config=extra,
         )
     if kind == "standin":
         from tests.support import STANDIN_CONNECTOR
@@ -307,12 +315,21 @@ def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
         out["dump_bytes"] = after["bytes_written"] - before["bytes_written"]
         out["dump_work_s"] = after["dump_work_s"] - before["dump_work_s"]
         out["dump_copy_s"] = after["dump_copy_s"] - before["dump_copy_s"]
+        out["dump_busy_s"] = after["dump_busy_s"] - before["dump_busy_s"]
+        cfg = connector.active_connectors()[0].config
+        out["threads"] = {"dump": cfg.dump_workers, "load": cfg.load_workers}
         out["own_cache"] = _ttft(llm, q)  # Q's prefix from vLLM's own prefix cache
         out["recompute"] = _generate(llm, r, salt="recompute")  # R: nothing can hit
         out["recompute_ttft"] = _ttft(llm, r, salt="recompute-2")
         connector.wait_for_dumps(600)
     elif mode == "load":
+        before = connector.stats()
         out["hit_ttft"] = _ttft(llm, r)  # first request: the prefix comes from the store
+        after = connector.stats()
+        out["load_s"] = {  # where the hit's load time went (connector counters)
+            k[5:-2]: after[k] - before[k] for k in ("load_read_s", "load_copy_s", "load_stall_s")
+        }
+        out["load_layerwise"] = after["loads_layerwise"] - before["loads_layerwise"]
         out["hit"] = _generate(llm, r)  # the loaded blocks, now in vLLM's own cache
     elif mode == "offload":
         _ttft(llm, p)
@@ -357,8 +374,13 @@ class Session:
         with self._lock:
             self.runs.setdefault(name, {})[key] = result
             if self.json_out is not None:
-                cols = [judge(n, MODELS[n], r) for n, r in self.runs.items()]
+                cols = [judge(n, model_of(n), r) for n, r in self.runs.items()]
                 self.json_out.write_text(json.dumps({"columns": cols, "runs": self.runs}, indent=1))
+
+
+def model_of(column: str) -> dict[str, Any]:
+    """The model config of a table column (``dense``, or ``dense, 8 threads``)."""
+    return MODELS[column.split(",")[0]]
 
 
 def child_env(session: Session, chain: str, env: dict[str, str]) -> dict[str, str]:
@@ -457,12 +479,13 @@ def failure(run: dict[str, Any]) -> str:
     return "error: " + last.replace("|", "/")[-160:]
 
 
-def dump_bandwidth(dump: dict[str, Any]) -> dict[str, float]:
+def dump_bandwidth(dump: dict[str, Any]) -> dict[str, Any]:
     """P's KV production against the dump path's bandwidth (module docstring, item 4)."""
     nbytes, prefill_s, work_s = dump["dump_bytes"], dump["cold"]["seconds"], dump["dump_work_s"]
+    busy_s = dump.get("dump_busy_s") or work_s  # runs before dump_busy_s: the worker sum
     produce = nbytes / prefill_s if prefill_s else 0.0
-    capacity = nbytes / work_s if work_s else 0.0
-    out = {
+    capacity = nbytes / busy_s if busy_s else 0.0
+    out: dict[str, Any] = {
         "dump_gb": nbytes / 1e9,
         "kv_produced_gbps": produce / 1e9,
         "dump_gbps": capacity / 1e9,
@@ -471,6 +494,8 @@ def dump_bandwidth(dump: dict[str, Any]) -> dict[str, float]:
     }
     if "dump_copy_s" in dump and work_s:  # where the workers' time went: device copies
         out["dump_copy_share"] = dump["dump_copy_s"] / work_s  # (the rest: store puts)
+    if "threads" in dump:
+        out["threads"] = dump["threads"]
     return out
 
 
@@ -479,12 +504,13 @@ def judge(name: str, config: dict[str, Any], runs: dict[str, Any]) -> dict[str, 
     kinds = layer_kinds(config)
     col: dict[str, Any] = {"model": name}
     ok = True
-    for label in ("patched", "plain"):
-        hooks = runs.get(f"hooks_{label}", {})
-        col[f"hooks_{label}"] = (
-            hooks["counts"] if "counts" in hooks else failure(hooks) if hooks else "not run"
-        )
-    ok = hooks_ok(kinds, runs.get("hooks_patched", {}), runs.get("hooks_plain", {}))
+    if "," not in name:  # a ``--threads`` column checks the connector only
+        for label in ("patched", "plain"):
+            hooks = runs.get(f"hooks_{label}", {})
+            col[f"hooks_{label}"] = (
+                hooks["counts"] if "counts" in hooks else failure(hooks) if hooks else "not run"
+            )
+        ok = hooks_ok(kinds, runs.get("hooks_patched", {}), runs.get("hooks_plain", {}))
     dump, load, off = runs.get("dump", {}), runs.get("load", {}), runs.get("offload", {})
     if "error" in dump or "error" in load:
         col["hit"] = failure(dump if "error" in dump else load)
@@ -515,6 +541,8 @@ def judge(name: str, config: dict[str, Any], runs: dict[str, Any]) -> dict[str, 
             if "hit_ttft" in off
             else None,
         }
+        if "load_s" in load:  # the load threads' seconds (summed), the forward's stall
+            col["load_ms"] = {k: 1000 * v for k, v in load["load_s"].items()}
         col.update(dump_bandwidth(dump))
     col["ok"] = ok
     return col
@@ -537,12 +565,14 @@ def render(cols: list[dict[str, Any]]) -> str:
         "same_tokens",
         "max_logprob_diff",
         "ttft_ms",
+        "load_ms",
         "dump_gb",
         "kv_produced_gbps",
         "dump_gbps",
         "dump_vs_production",
         "dump_tail_ms",
         "dump_copy_share",
+        "threads",
         "ok",
     ):
         rows.append((key, [cell(c.get(key, "-")) for c in cols]))
@@ -573,15 +603,21 @@ def hooks_chain(session: Session, name: str) -> None:
         session.record(name, f"hooks_{label}", result)
 
 
-def connector_chain(session: Session, name: str) -> None:
-    """Process A dumps, process B (same hash seed) loads; then vLLM's OffloadingConnector."""
+def connector_chain(session: Session, name: str, threads: int | None = None) -> None:
+    """Process A dumps, process B (same hash seed) loads; then vLLM's OffloadingConnector
+    (not for a ``threads`` column: the same connector with that many dump and load
+    threads, its own store)."""
     model = write_model(session.workdir, name, session.tiny)
-    store = session.workdir / f"{name}-store"
+    column = name if threads is None else f"{name}, {threads} threads"
+    chain = f"{name}-ucm" if threads is None else f"{name}-ucm-t{threads}"
+    store = session.workdir / f"{chain}-store"
     hybrid = name == "hybrid"
+    env = {} if threads is None else {THREADS_ENV: str(threads)}
     for mode in ("dump", "load"):
-        session.record(
-            name, mode, run_child(session, f"{name}-ucm", mode, model, store, hybrid, {})
-        )
+        result = run_child(session, chain, mode, model, store, hybrid, env)
+        session.record(column, mode, result)
+    if threads is not None or result.get("refused"):
+        return  # a refused model has no hit to set the peer's against
     session.record(
         name,
         "offload",
@@ -603,6 +639,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="chains run side by side")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this")
     ap.add_argument("--tiny", action="store_true", help="narrow models: a dry run on CPU vLLM")
+    ap.add_argument(
+        "--threads",
+        default="",
+        help="comma list: a dense column per count, its connector with that many dump and "
+        "load threads (the default column uses copy_threads())",
+    )
     args = ap.parse_args(argv)
     names = args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
@@ -618,12 +660,16 @@ def main(argv: list[str] | None = None) -> int:
         deadline,
         args.tiny,
     )
+    threads = [int(t) for t in args.threads.split(",") if t.strip()]
     # the connector chains first: they carry the checks a user's hit depends on
-    chains = [(connector_chain, n) for n in names] + [(hooks_chain, n) for n in names]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for future in [pool.submit(fn, session, n) for fn, n in chains]:
+        futures = [pool.submit(connector_chain, session, n) for n in names]
+        futures += [pool.submit(connector_chain, session, "dense", t) for t in threads]
+        futures += [pool.submit(hooks_chain, session, n) for n in names]
+        for future in futures:
             future.result()
-    cols = [judge(n, MODELS[n], session.runs.get(n, {})) for n in names]
+    columns = [*names, *(f"dense, {t} threads" for t in threads)]
+    cols = [judge(c, model_of(c), session.runs.get(c, {})) for c in columns]
     print(render(cols))
     return 0 if all(c["ok"] for c in cols) else 1
 

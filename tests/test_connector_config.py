@@ -7,6 +7,7 @@ store keys; the plugin's registration must be idempotent and resolvable by vLLM'
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,8 @@ from tests.support.connector_harness import kv_cache_config, vllm_config
 from tests.support.fakes_store import FakeStore
 from ucm_patch.connector import UCMPatchConnector, register_with_vllm
 from ucm_patch.connector.config import (
-    CONNECTOR_KEYS,
     ConnectorConfigError,
+    copy_threads,
     parse_connector_config,
 )
 from ucm_patch.connector.layout import KVLayout, LayoutError
@@ -47,7 +48,26 @@ def test_defaults_use_a_local_store_in_the_user_cache(
         assert cfg.store_kind == "local"
         assert cfg.store["local_path"] == str(tmp_path / "ucm_patch" / "kv")
         assert cfg.load_mode == "auto"
-        assert cfg.load_prefetch_rows == CONNECTOR_KEYS["load_prefetch_rows"][1]
+        assert cfg.load_workers == cfg.dump_workers == copy_threads()
+        assert cfg.load_prefetch_rows == cfg.load_workers  # every load thread has a row
+
+
+@pytest.mark.parametrize(
+    ("cpus", "threads"), [(1, 2), (2, 2), (8, 2), (16, 4), (26, 6), (32, 8), (256, 8)]
+)
+def test_copy_threads_are_a_quarter_of_the_cpus_from_2_to_8(cpus: int, threads: int) -> None:
+    assert copy_threads(cpus) == threads
+
+
+def test_copy_threads_follow_the_cpus_this_process_may_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    assert copy_threads() == 4
+    cfg = parse_connector_config({"load_workers": 3})
+    assert (cfg.load_workers, cfg.load_prefetch_rows, cfg.dump_workers) == (3, 3, 4)
+    cfg = parse_connector_config({"load_prefetch_rows": 1})
+    assert (cfg.load_workers, cfg.load_prefetch_rows) == (4, 1)
 
 
 def test_every_key_is_parsed() -> None:

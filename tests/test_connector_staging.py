@@ -10,6 +10,9 @@ pinned and the copies run on the connector's own stream.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,8 +31,9 @@ from tests.test_connector_gpu_layouts import BS, LAYERS, NUM_BLOCKS, SHAPE, TOKE
 from tests.test_page_views import NHD, fill, vllm_attention_cache
 from ucm_patch import connector
 from ucm_patch.connector import staging as staging_mod
-from ucm_patch.connector.page_views import attention_view
+from ucm_patch.connector.page_views import AttentionShape, attention_view
 from ucm_patch.connector.staging import StagingBuffers
+from ucm_patch.connector.worker_side import copy_pages
 
 STEPS = 6
 
@@ -136,6 +140,7 @@ def test_accelerator_buffers_are_pinned_and_copies_wait_on_their_own_stream(
     monkeypatch.setattr(torch, "cuda", fake)
     monkeypatch.setattr(staging_mod.torch, "empty", empty)
     pool = StagingBuffers(torch.device("cuda", 0))
+    calls.clear()  # the probe for stream support
     assert pool.pinned and isinstance(pool.stream, Stream)
     pool.give(pool.take(4096))
     with pool.on_stream():
@@ -149,3 +154,46 @@ def test_accelerator_buffers_are_pinned_and_copies_wait_on_their_own_stream(
         ("exit", pool.stream),
         ("synchronize", None),
     ]
+    # a dump thread past its layer's KV-ready event: nothing else to wait for (the
+    # forward queued on the current stream is the rest of the prefill)
+    calls.clear()
+    with pool.on_stream(after_current=False):
+        calls.append(("copy", None))
+    assert calls == [
+        ("enter", pool.stream),
+        ("copy", None),
+        ("exit", pool.stream),
+        ("synchronize", None),
+    ]
+    # every thread its own stream: a thread waits for its own copies, not another's
+    mine = pool.stream
+    theirs: list[Any] = []
+    thread = threading.Thread(target=lambda: theirs.append(pool.stream))
+    thread.start()
+    thread.join()
+    assert pool.stream is mine and isinstance(theirs[0], Stream) and theirs[0] is not mine
+
+
+def test_a_dump_thread_copies_without_waiting_for_the_forward_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """copy_pages as a dump scheduler payload (a task: its KV-ready event was waited
+    for) copies on its stream at once; called by the forward thread (an eager dump, no
+    task) it first waits for the current stream, where the layer's KV was written."""
+    seen: list[bool] = []
+
+    class Recorder(StagingBuffers):
+        @contextlib.contextmanager
+        def on_stream(self, after_current: bool = True) -> Iterator[None]:
+            seen.append(after_current)
+            yield
+
+    cache = torch.arange(4 * 2 * 16 * 2 * 8, dtype=torch.float32).view(4, 2, 16, 2, 8)
+    view = attention_view(cache, 4, AttentionShape(16, 2, 8), "layer.0")
+    pool = Recorder(torch.device("cpu"))
+    idx = torch.tensor([2, 0])
+    pages = copy_pages(view, idx, (1, 1), pool, _task=object())
+    assert bytes(pages[0]) == view.gather(idx[:1]).numpy().tobytes()
+    pages.release()
+    copy_pages(view, idx, (2,), pool).release()
+    assert seen == [False, True] and pool.lent == 0

@@ -31,11 +31,15 @@ def _runs(hit: int, want_tokens: bool = True, gdn_plain: int = 0) -> dict:
             "dump_bytes": 4 << 30,
             "dump_seconds": 0.8,
             "dump_work_s": 0.4,
+            "dump_busy_s": 0.25,
+            "dump_copy_s": 0.1,
+            "threads": {"dump": 4, "load": 4},
         },
         "load": {
             "block_size": 16,
             "shared": 6544,
             "hit_ttft": {"seconds": 0.15, "num_cached_tokens": hit},
+            "load_s": {"read": 0.2, "copy": 0.05, "stall": 0.1},
             "hit": hit_run,
         },
         "offload": {"hit_ttft": {"seconds": 0.2}},
@@ -49,10 +53,32 @@ def test_a_right_run_passes_and_each_wrong_answer_fails():
     assert not gc.judge("hybrid", config, _runs(6544, want_tokens=False))["ok"]
     assert not gc.judge("hybrid", config, _runs(6544, gdn_plain=3))["ok"]  # GDN hooked unpatched
     col = gc.judge("hybrid", config, _runs(6544))
-    # bandwidth: bytes over the workers' own seconds (0.4) against bytes over prefill (0.5)
-    assert col["dump_vs_production"] == pytest.approx(0.5 / 0.4)
+    # bandwidth: bytes over the wall time any worker was at work (0.25; the workers' own
+    # seconds summed are 0.4) against bytes over prefill (0.5)
+    assert col["dump_vs_production"] == pytest.approx(0.5 / 0.25)
+    assert col["dump_copy_share"] == pytest.approx(0.1 / 0.4)
     assert col["dump_tail_ms"] == pytest.approx(300)
-    assert "| ok | True |" in gc.render([col])
+    table = gc.render([col])
+    assert "| ok | True |" in table and "| threads | dump 4, load 4 |" in table
+    assert "| load_ms | read 200, copy 50, stall 100 |" in table
+    older = _runs(6544)  # a record from before dump_busy_s: the workers' sum stands in
+    del older["dump"]["dump_busy_s"]
+    assert gc.judge("hybrid", config, older)["dump_vs_production"] == pytest.approx(0.5 / 0.4)
+
+
+def test_a_threads_column_checks_the_connector_alone():
+    """``--threads``: the same dense model with more dump / load threads, no hook runs
+    and no OffloadingConnector of its own; its verdict is the hit's."""
+    config = gc.model_of("dense, 8 threads")
+    assert config is gc.MODELS["dense"]
+    runs = _runs(6544)
+    for key in ("hooks_patched", "hooks_plain", "offload"):
+        del runs[key]
+    col = gc.judge("dense, 8 threads", config, runs)
+    assert col["ok"] and "hooks_patched" not in col
+    assert col["ttft_ms"]["offloading_connector"] is None
+    assert not gc.judge("dense, 8 threads", config, {**runs, "load": {}})["ok"]
+    assert not gc.judge("dense", config, runs)["ok"]  # a model column needs its hook runs
 
 
 def test_refusal_passes_only_with_nothing_stored_and_no_hit():
@@ -105,3 +131,30 @@ def test_written_configs_load_in_vllm(tmp_path, name):
     assert len(kinds["gdn"]) + len(kinds["attention"]) == config.num_hidden_layers
     if name == "hybrid":
         assert len(kinds["gdn"]) == 3 * len(kinds["attention"])
+
+
+def test_a_refused_model_runs_no_peer_and_a_threads_column_no_hooks(tmp_path, monkeypatch):
+    """The chain's processes in order: after the connector's start-up refusal there is no
+    hit to set vLLM's OffloadingConnector against, so it is not started (a lent GPU's
+    minutes); a ``--threads`` column dumps and loads with its thread count, nothing else."""
+    started: list[tuple[str, str, dict]] = []
+
+    def run_child(session, chain, mode, model, store, hybrid, env):
+        started.append((chain, mode, env))
+        return {"refused": "vLLM < 0.29"} if hybrid else {"ok": 1}
+
+    monkeypatch.setattr(gc, "run_child", run_child)
+    session = gc.Session(tmp_path, None, None, None)
+    gc.connector_chain(session, "hybrid")
+    assert [m for _c, m, _e in started] == ["dump", "load"]
+    assert set(session.runs["hybrid"]) == {"dump", "load"}
+    started.clear()
+    gc.connector_chain(session, "dense")
+    assert [m for _c, m, _e in started] == ["dump", "load", "offload"]
+    started.clear()
+    gc.connector_chain(session, "dense", threads=8)
+    assert started == [
+        ("dense-ucm-t8", "dump", {gc.THREADS_ENV: "8"}),
+        ("dense-ucm-t8", "load", {gc.THREADS_ENV: "8"}),
+    ]
+    assert set(session.runs["dense, 8 threads"]) == {"dump", "load"}

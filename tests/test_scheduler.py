@@ -407,6 +407,32 @@ def test_dump_time_is_split_into_event_wait_copy_and_put(make_sched) -> None:
     assert snap["dump_event_wait_s"] == wait and snap["dump_produce_s"] == copy
 
 
+def test_busy_time_is_wall_time_with_any_worker_at_work(make_sched) -> None:
+    """dump_busy_s: the wall seconds with at least one worker past its event wait. Two
+    workers copying at once count once (the per-worker sums count both); the time no
+    worker works (all waiting for events, or idle) is not counted."""
+    sched = make_sched(workers=2)
+    store = FakeStore(latency_s=0.2)
+    batch = sched.open_batch(["a", "b"], store)
+    sched.submit(batch, 0, ["a"], host(1))
+    sched.submit(batch, 1, ["b"], host(1))
+    sched.seal(batch)
+    assert finish(sched, ["a", "b"]) == ({"a", "b"}, set())
+    m = sched.metrics
+    work = m.dump_duration.total - m.dump_event_wait_s
+    assert work >= 0.4 and 0.2 <= m.dump_busy_s < 0.3, (work, m.dump_busy_s)
+    time.sleep(0.2)  # idle: not busy
+    event = FakeEvent()
+    batch = sched.open_batch(["c"], store)
+    sched.submit(batch, 2, ["c"], host(1), event=event)
+    sched.seal(batch)
+    time.sleep(0.2)  # waiting for the event: not busy
+    event.set()
+    assert finish(sched, ["c"]) == ({"c"}, set())
+    assert 0.4 <= m.dump_busy_s < 0.55, m.dump_busy_s
+    assert m.snapshot()["dump_busy_s"] == m.dump_busy_s
+
+
 def test_bad_payload_and_buggy_callable_fail_the_dump_not_the_worker(make_sched) -> None:
     store = FakeStore()
     sched = make_sched(workers=1)

@@ -198,6 +198,10 @@ class DumpScheduler:
         self._clients: list[DumpClient] = []
         #: The last few unexpected worker errors (repr), newest last; also logged.
         self.last_errors: deque[str] = deque(maxlen=16)
+        # Workers past their event wait (metrics.dump_busy_s); only workers take this lock.
+        self._busy_lock = threading.Lock()
+        self._busy_workers = 0
+        self._busy_since = 0.0
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
             for i in range(workers)
@@ -662,6 +666,24 @@ class DumpScheduler:
         # what remains of the task's duration is the dump's own work (copy, put)
         produced = monotonic()
         task.event_wait = produced - waited
+        self._busy(1)
+        try:
+            return self._produce_and_put(task, produced)
+        finally:
+            self._busy(-1)
+
+    def _busy(self, change: int) -> None:
+        """One worker more (1) or less (-1) at work: the wall time with any at work is
+        summed into ``metrics.dump_busy_s``."""
+        with self._busy_lock:
+            now = monotonic()
+            if self._busy_workers == 0:
+                self._busy_since = now
+            self._busy_workers += change
+            if self._busy_workers == 0:
+                self.metrics.dump_busy_s += now - self._busy_since
+
+    def _produce_and_put(self, task: DumpTask, produced: float) -> int:
         data = task.data
         if callable(data):
             data = data(task)

@@ -20,6 +20,7 @@ Nothing here imports vLLM or torch: the parser is usable (and tested) without th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -65,9 +66,22 @@ CONNECTOR_KEYS: v.Table = {
         "layerwise: load row by row during the forward (one attention KV-cache group "
         "only); async: load between steps; auto: layerwise when possible, else async",
     ),
-    "load_prefetch_rows": (v.int_in(1, 64), 2, "rows loaded ahead of the forward (layerwise)"),
-    "load_workers": (v.int_in(1, 32), 2, "threads reading the store for loads"),
-    "dump_workers": (v.int_in(1, 32), 2, "threads of the dump scheduler"),
+    "load_prefetch_rows": (
+        v.int_in(1, 64),
+        None,
+        "rows loaded ahead of the forward (layerwise); default: load_workers",
+    ),
+    "load_workers": (
+        v.int_in(1, 32),
+        None,
+        "threads reading the store for loads; default: copy_threads() (a quarter of the "
+        "CPUs this process may run on, 2 to 8)",
+    ),
+    "dump_workers": (
+        v.int_in(1, 32),
+        None,
+        "threads of the dump scheduler; default: copy_threads(), as load_workers",
+    ),
     "dump_queue_capacity": (v.int_in(1, 1 << 20), 1024, "dumps in flight before back-pressure"),
     "dump_on_full": (v.one_of(*ON_FULL), "skip", "queue full: skip the dump or wait briefly"),
     "dump_full_wait_s": (v.seconds, 0.002, "longest wait for a queue slot (dump_on_full=wait)"),
@@ -122,6 +136,20 @@ class ConnectorConfig:
         )
 
 
+def copy_threads(cpus: int | None = None) -> int:
+    """The default number of dump threads, and of load threads: a quarter of ``cpus``
+    (default: the CPUs this process may run on), at least 2, at most 8.
+
+    Why it scales: every byte a dump or a load moves is copied and hashed by one of these
+    threads, without the GIL (:mod:`ucm_patch.hooks.stores.memcopy`, XXH3), so a GPU's
+    KV production (several GB/s) needs several of them at once; two threads on a
+    16-core GPU host left the dumps behind the prefill. A quarter leaves the CPUs vLLM
+    itself uses (its engine loop, tokenizers, other ranks) their share."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(2, min(8, (cpus or 1) // 4))
+
+
 def accepted_keys() -> list[str]:
     """Every key the connector accepts (connector keys and store keys)."""
     return sorted({*CONNECTOR_KEYS, *STORE_KEYS})
@@ -151,6 +179,11 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
                 f"accepted keys: {accepted_keys()}"
             )
     values = v.parse_table(CONNECTOR_KEYS, rest, ConnectorConfigError)
+    for key in ("load_workers", "dump_workers"):
+        if values[key] is None:
+            values[key] = copy_threads()
+    if values["load_prefetch_rows"] is None:  # every load thread has a row to read
+        values["load_prefetch_rows"] = values["load_workers"]
     try:
         store = parse_store_config(store_part)
     except StoreConfigError as exc:

@@ -5,7 +5,8 @@ count what only the connector knows: lookups and hit tokens, loads, load errors,
 blocks, delayed frees. Counters only grow; :func:`snapshot` copies them.
 
 Updated per step or per request, never per layer, from the scheduler thread, the forward
-thread and the load threads, hence the lock.
+thread and the load threads, hence the lock. The ``*_s`` counters are seconds (floats):
+where a load's time goes (:data:`SECONDS`).
 """
 
 from __future__ import annotations
@@ -37,18 +38,22 @@ COUNTERS = (
     "finished_sending",
     "finished_recving",
 )
+#: Seconds of the loads: the load threads reading values from the store into host
+#: buffers (read) and copying them into the KV cache (copy), summed over threads, and the
+#: forward thread waiting for a layerwise row it needs (stall).
+SECONDS = ("load_read_s", "load_copy_s", "load_stall_s")
 
 _lock = threading.Lock()
-_values: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+_values: dict[str, float] = {**dict.fromkeys(COUNTERS, 0), **dict.fromkeys(SECONDS, 0.0)}
 
 
-def bump(name: str, n: int = 1) -> None:
+def bump(name: str, n: float = 1) -> None:
     """Add ``n`` to counter ``name`` (KeyError for an unknown name: a typo is a bug)."""
     with _lock:
         _values[name] += n
 
 
-def snapshot() -> dict[str, int]:
+def snapshot() -> dict[str, float]:
     """A copy of every counter."""
     with _lock:
         return dict(_values)
@@ -58,4 +63,4 @@ def reset() -> None:
     """Zero every counter (tests)."""
     with _lock:
         for key in _values:
-            _values[key] = 0
+            _values[key] = 0.0 if key in SECONDS else 0

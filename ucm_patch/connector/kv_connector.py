@@ -356,7 +356,9 @@ def stats() -> dict[str, float]:
     """This process's connector counters plus the dump scheduler's main ones
     (``dump_work_s``: seconds the dump workers spent copying and storing completed dumps,
     their waits for KV-ready events left out; ``dump_copy_s``: of which copying the pages
-    off the device into staging buffers, the rest being the store's puts)."""
+    off the device into staging buffers, the rest being the store's puts; ``dump_busy_s``:
+    wall seconds with any dump worker at that work, so bytes over it is the dump path's
+    bandwidth however many workers share it)."""
     from ucm_patch.hooks.metrics import METRICS
 
     out = connector_stats.snapshot()
@@ -367,6 +369,7 @@ def stats() -> dict[str, float]:
     out["bytes_written"] = METRICS.bytes_written
     out["dump_work_s"] = METRICS.dump_duration.total - METRICS.dump_event_wait_s
     out["dump_copy_s"] = METRICS.dump_produce_s
+    out["dump_busy_s"] = METRICS.dump_busy_s
     return out
 
 

@@ -11,9 +11,18 @@ faults) per batch. Here:
   dump or a load, whatever its number of pages.
 * **Pinned on an accelerator**: the buffers are page-locked (``pin_memory``), so the copy
   to or from the device is one DMA the copy engine runs while the GPU computes.
-* **A dedicated copy stream**: gathers, copies and scatters run on the connector's own
-  stream (the dump thread has waited for the layer's KV-ready event first), not on the
-  stream the forward pass runs on, and the thread waits for that stream alone.
+* **A copy stream per thread**: gathers, copies and scatters run on the calling thread's
+  own stream of the connector, not on the stream the forward pass runs on, and the thread
+  then waits for that stream alone. One stream per thread, because a thread that waits
+  for a shared stream waits for every other thread's copies queued on it too.
+* **A dump copies once its layer's KV is written, not after the whole forward**: a dump
+  thread has waited for the layer's KV-ready event on the host before it copies, so its
+  stream waits for nothing else (``after_current=False``). Waiting for the thread's
+  current stream as well made every dump copy wait for all the forward work queued so
+  far, that is the rest of the prefill (CUDA vLLM runs the forward on the device's
+  default stream, which every thread shares): on an H100 the dumps then ran after the
+  prefill, not beside it. A copy the forward thread makes itself (an eager dump) and a
+  load (its blocks may still be read by work queued before it) do wait for it.
 * **On CPU the same path copies once**: the gather writes straight into the buffer
   (``index_select(out=...)``), and a load scatters straight from it.
 * **Offered to the store** (``KVStore.register_host_memory``) when created, withdrawn
@@ -72,7 +81,8 @@ class StagingBuffers:
         self._register = register
         self._unregister = unregister
         self.pinned = device.type != "cpu"
-        self.stream = copy_stream(device)
+        self._has_streams = copy_stream(device) is not None
+        self._streams = threading.local()  # .stream: the calling thread's copy stream
         self.allocated = 0  # buffers ever created: stays small when buffers are reused
         self.lent = 0  # buffers out now
         self._free: dict[int, list[torch.Tensor]] = {}
@@ -104,18 +114,30 @@ class StagingBuffers:
         if not kept and self._unregister is not None:
             self._unregister(buf.data_ptr())  # dropped: the store must not send from it
 
+    @property
+    def stream(self) -> Any:
+        """The calling thread's copy stream (made on its first use), None on CPU."""
+        if not self._has_streams:
+            return None
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = copy_stream(self.device)
+        return stream
+
     @contextlib.contextmanager
-    def on_stream(self) -> Iterator[None]:
-        """Run the block's device work on the copy stream, after everything already queued
-        on the calling thread's current stream (an eager dump's layer KV, a kernel still
-        reading a block a load overwrites), then wait for the copy stream alone. No-op on
-        CPU."""
+    def on_stream(self, after_current: bool = True) -> Iterator[None]:
+        """Run the block's device work on the calling thread's copy stream, then wait for
+        that stream alone. ``after_current``: first make it wait for everything already
+        queued on the thread's current stream (an eager dump's layer KV, a kernel still
+        reading a block a load overwrites); a dump thread that waited for its layer's
+        KV-ready event passes False. No-op on CPU."""
         stream = self.stream
         if stream is None:
             yield
             return
         backend = getattr(torch, self.device.type)
-        stream.wait_stream(backend.current_stream(self.device))
+        if after_current:
+            stream.wait_stream(backend.current_stream(self.device))
         with backend.stream(stream):
             yield
         stream.synchronize()

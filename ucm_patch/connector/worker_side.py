@@ -95,13 +95,16 @@ def copy_pages(
     store has copied them: :meth:`StagedPages.release`): one memoryview per value, value
     ``i`` the next ``counts[i]`` pages (a chunk is a slice of the buffer, not a copy).
 
-    ``_task``: the dump task when called as a DumpScheduler payload (unused).
+    ``_task``: the dump task when called as a DumpScheduler payload, on a dump thread
+    that has waited for the layer's KV-ready event (the copy then waits for nothing
+    else); None when the forward thread copies (an eager dump: the copy waits for its
+    current stream, where the layer's KV was written).
     """
     n, page = idx.numel(), view.page_bytes
     buf = staging.take(n * page)
     try:
         rows = buf[: n * page].view(n, page)
-        with staging.on_stream():
+        with staging.on_stream(after_current=_task is None):
             view.gather_into(idx, rows)
         flat = memoryview(rows.numpy()).cast("B")
     except BaseException:
@@ -173,6 +176,7 @@ class WorkerSide:
         )
         self._loading = False
         self._in_layer = False
+        self._stall_s = 0.0  # this step's waits for rows (counters.SECONDS)
         self._load_errors: set[int] = set()
         # An exception in a load is logged once per (site, exception type) per connector,
         # with its traceback; every occurrence is counted in ``load_exceptions``.
@@ -371,6 +375,8 @@ class WorkerSide:
                 self._loader.drain()
             except Exception as exc:  # never into vLLM's step
                 self._fail_step_loads("wait_for_save", exc)
+            stats.bump("load_stall_s", self._stall_s)  # once per step, not per row
+            self._stall_s = 0.0
 
     # ---------------------------------------------------------------------------------
     # Loads
@@ -465,11 +471,13 @@ class WorkerSide:
             return
         if self._in_layer:
             stats.bump("rows_waited_in_layer")
+        waited = monotonic()  # the forward stalls for the row: a clock read is nothing
         try:
             failed = handle.result()
         except Exception as exc:  # _load_row catches; this is the last guard
             self.load_exception("row load", exc)
             failed = {rid for rid, _key, _dsts in self._row_jobs[row]}
+        self._stall_s += monotonic() - waited  # counted in wait_for_save
         for rid in failed:
             self._fail_layerwise(rid)
 
@@ -525,7 +533,10 @@ class WorkerSide:
             firsts.append(at)
             outs.append(flat[at * page : (at + k) * page])
             at += k
+        started = monotonic()
         ok = self.store.get_many_into([key for _rid, key, _dsts in jobs], outs)
+        read = monotonic()
+        stats.bump("load_read_s", read - started)
         src: list[int] = []
         dst: list[int] = []
         for (rid, key, dsts), good, first in zip(jobs, ok, firsts, strict=True):
@@ -563,6 +574,7 @@ class WorkerSide:
                 idx = torch.tensor(dst, dtype=torch.long, device=view.view.device)
                 view.scatter(idx, host.to(view.view.device, non_blocking=True))
             stats.bump("loaded_pages", len(dst))
+            stats.bump("load_copy_s", monotonic() - read)
         return failed
 
     def _load_request(self, load: RequestLoad) -> set[str]:
