@@ -326,8 +326,9 @@ def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
         before = connector.stats()
         out["hit_ttft"] = _ttft(llm, r)  # first request: the prefix comes from the store
         after = connector.stats()
-        out["load_s"] = {  # where the hit's load time went (connector counters)
-            k[5:-2]: after[k] - before[k] for k in ("load_read_s", "load_copy_s", "load_stall_s")
+        out["load_s"] = {  # where the hit's time went (connector counters)
+            k.split("_")[-2]: after[k] - before[k]
+            for k in ("lookup_s", "load_read_s", "load_copy_s", "load_stall_s")
         }
         out["load_layerwise"] = after["loads_layerwise"] - before["loads_layerwise"]
         out["hit"] = _generate(llm, r)  # the loaded blocks, now in vLLM's own cache

@@ -104,7 +104,8 @@ def test_hit_loads_layerwise_into_the_new_blocks_and_is_not_dumped_again(
     assert stats["loads_layerwise"] == 1
     assert stats["rows_waited_in_layer"] == len(LAYERS)
     assert stats["hit_tokens"] == 12
-    # where the load's time went: every row read and copied, each wait for a row timed
+    # where the hit's time went: the lookup, every row read and copied, each wait timed
+    assert stats["lookup_s"] > 0
     assert stats["load_read_s"] > 0 and stats["load_copy_s"] > 0 and stats["load_stall_s"] > 0
     assert h.worker.get_block_ids_with_load_errors() == set()
 

@@ -39,7 +39,7 @@ def _runs(hit: int, want_tokens: bool = True, gdn_plain: int = 0) -> dict:
             "block_size": 16,
             "shared": 6544,
             "hit_ttft": {"seconds": 0.15, "num_cached_tokens": hit},
-            "load_s": {"read": 0.2, "copy": 0.05, "stall": 0.1},
+            "load_s": {"lookup": 0.01, "read": 0.2, "copy": 0.05, "stall": 0.1},
             "hit": hit_run,
         },
         "offload": {"hit_ttft": {"seconds": 0.2}},
@@ -60,7 +60,7 @@ def test_a_right_run_passes_and_each_wrong_answer_fails():
     assert col["dump_tail_ms"] == pytest.approx(300)
     table = gc.render([col])
     assert "| ok | True |" in table and "| threads | dump 4, load 4 |" in table
-    assert "| load_ms | read 200, copy 50, stall 100 |" in table
+    assert "| load_ms | lookup 10, read 200, copy 50, stall 100 |" in table
     older = _runs(6544)  # a record from before dump_busy_s: the workers' sum stands in
     del older["dump"]["dump_busy_s"]
     assert gc.judge("hybrid", config, older)["dump_vs_production"] == pytest.approx(0.5 / 0.4)

@@ -38,10 +38,11 @@ COUNTERS = (
     "finished_sending",
     "finished_recving",
 )
-#: Seconds of the loads: the load threads reading values from the store into host
-#: buffers (read) and copying them into the KV cache (copy), summed over threads, and the
-#: forward thread waiting for a layerwise row it needs (stall).
-SECONDS = ("load_read_s", "load_copy_s", "load_stall_s")
+#: Seconds of the hits: the scheduler looking up the stored prefix (lookup), the load
+#: threads reading values from the store into host buffers (read) and copying them into
+#: the KV cache (copy), summed over threads, and the forward thread waiting for a
+#: layerwise row it needs (stall).
+SECONDS = ("lookup_s", "load_read_s", "load_copy_s", "load_stall_s")
 
 _lock = threading.Lock()
 _values: dict[str, float] = {**dict.fromkeys(COUNTERS, 0), **dict.fromkeys(SECONDS, 0.0)}

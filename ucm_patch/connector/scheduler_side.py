@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from time import monotonic
 from typing import Any
 
 from ucm_patch.connector import counters as stats
@@ -146,12 +147,14 @@ class SchedulerSide:
         if not self.can_load or request.request_id in self._load_failed:
             return 0, False
         stats.bump("lookups")
+        started = monotonic()
         try:
             end = self.longest_hit(request, num_computed_tokens)
         except StoreError as exc:
             stats.bump("lookup_errors")
             logger.warning("ucm connector: lookup of %s failed (miss): %s", request.request_id, exc)
             end = num_computed_tokens
+        stats.bump("lookup_s", monotonic() - started)
         hit = max(0, end - num_computed_tokens)
         self._lookups[request.request_id] = (num_computed_tokens, hit)
         return hit, self.load_async and hit > 0
