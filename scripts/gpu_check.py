@@ -651,6 +651,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         ap.error(f"--models: unknown model {unknown[0]!r} (known: {', '.join(MODELS)})")
+    try:
+        threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    except ValueError:
+        ap.error(f"--threads: expected a comma list of thread counts, got {args.threads!r}")
+    if any(t < 1 for t in threads):
+        ap.error(f"--threads: every count must be >= 1, got {args.threads!r}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ucm-gpu-check-"))
     workdir.mkdir(parents=True, exist_ok=True)
     deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
@@ -661,7 +667,6 @@ def main(argv: list[str] | None = None) -> int:
         deadline,
         args.tiny,
     )
-    threads = [int(t) for t in args.threads.split(",") if t.strip()]
     # the connector chains first: they carry the checks a user's hit depends on
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         futures = [pool.submit(connector_chain, session, n) for n in names]

@@ -158,3 +158,11 @@ def test_a_refused_model_runs_no_peer_and_a_threads_column_no_hooks(tmp_path, mo
         ("dense-ucm-t8", "load", {gc.THREADS_ENV: "8"}),
     ]
     assert set(session.runs["dense, 8 threads"]) == {"dump", "load"}
+
+
+@pytest.mark.parametrize("bad", ["x", "4,0", "2.5"])
+def test_bad_threads_are_refused_naming_the_option(bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gc.main(["--threads", bad, "--models", "dense"])
+    assert exc.value.code == 2
+    assert "--threads" in capsys.readouterr().err
