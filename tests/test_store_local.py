@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -313,18 +314,24 @@ def test_default_store_is_local_under_xdg_cache(tmp_path: Path, monkeypatch) -> 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     # Free space moves while other processes write the same disk (a CI run failed on a
     # 4 KiB difference between the store's statvfs and a second one here), so the expected
-    # cap is derived from the very statvfs result the store saw, still the real call.
+    # cap is derived from the very statvfs result the store saw, still the real call. Only
+    # the capacity check's call counts: on this thread (the tier's warmer checks free space
+    # on its own) and of the store's directory or a parent (not the memory tier's tmpfs).
     seen: list[os.statvfs_result] = []
     real_statvfs = os.statvfs
+    me = threading.get_ident()
+    store_dir = str(tmp_path / "xdg" / "ucm_patch" / "kv")
 
     def recording_statvfs(path: str) -> os.statvfs_result:
-        seen.append(real_statvfs(path))
-        return seen[-1]
+        result = real_statvfs(path)
+        if threading.get_ident() == me and (store_dir + "/").startswith(os.fspath(path) + "/"):
+            seen.append(result)
+        return result
 
     monkeypatch.setattr(os, "statvfs", recording_statvfs)
     s = make_store()
     assert isinstance(s, LocalStore)
-    assert s.path == str(tmp_path / "xdg" / "ucm_patch" / "kv") and os.path.isdir(s.path)
+    assert s.path == store_dir and os.path.isdir(s.path)
     assert len(seen) == 1, seen
     free = seen[0].f_bavail * seen[0].f_frsize
     segment = s.disk.segment_bytes
@@ -334,6 +341,37 @@ def test_default_store_is_local_under_xdg_cache(tmp_path: Path, monkeypatch) -> 
     vfs = os.statvfs(os.environ["XDG_RUNTIME_DIR"])
     wanted = min(2 << 30, vfs.f_blocks * vfs.f_frsize // 8)
     assert s.memory.capacity_bytes == wanted // s.memory.segment_bytes * s.memory.segment_bytes
+
+
+def test_default_capacity_of_a_fresh_path_is_capped_by_the_free_space(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The store's directory and its parents do not exist yet: the free space is read from
+    the nearest existing directory (a CI disk with 7 GiB free got the full 10 GiB when the
+    missing parent's statvfs failed and the cap was skipped)."""
+    real_statvfs = os.statvfs
+    asked: list[str] = []
+    small = 3 << 30
+
+    def small_disk(path: str) -> os.statvfs_result:
+        real = real_statvfs(path)
+        if threading.get_ident() == me:
+            asked.append(path)
+        # the real result with 3 GiB available; blocks large, so a warmer keeps going
+        fields = list(real)
+        fields[4] = small // real.f_frsize  # f_bavail
+        return os.statvfs_result(fields)
+
+    me = threading.get_ident()
+    monkeypatch.setattr(os, "statvfs", small_disk)
+    path = tmp_path / "a" / "b" / "kv"
+    s = LocalStore(path, memory_bytes=0)
+    try:
+        assert asked and asked[0] == str(tmp_path), asked
+        assert s.capacity_bytes == small // s.disk.segment_bytes * s.disk.segment_bytes
+        assert s.capacity_bytes < 10 << 30
+    finally:
+        s.close()
 
 
 def test_default_store_falls_back_to_home_cache(tmp_path: Path, monkeypatch) -> None:

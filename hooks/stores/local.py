@@ -202,9 +202,15 @@ class LocalStore(KVStore):
                 self.stats[counter] = sum(getattr(t, counter) for t in self.tiers)
 
     def _default_capacity(self) -> int:
-        """10 GiB, capped by the free space plus what the directory already holds."""
+        """10 GiB, capped by the free space plus what the directory already holds. The free
+        space is that of the nearest existing directory: the store's own directory and its
+        parents may not exist yet (the tier creates them), and a fresh path must not read as
+        unbounded on a nearly full disk."""
+        where = self.path
+        while not os.path.isdir(where) and os.path.dirname(where) != where:
+            where = os.path.dirname(where)
         try:
-            vfs = os.statvfs(self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
+            vfs = os.statvfs(where)
         except OSError:
             return DEFAULT_CAPACITY
         held = 0
