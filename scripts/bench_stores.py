@@ -1,7 +1,7 @@
 """Put/get throughput of the stores against the memory-copy ceiling of the same run.
 
 usage: bench_stores.py [--stores local,mooncake] [--sizes 64KiB,1MiB,2MiB] [--total 128MiB]
-                       [--repeat 3] [--out bench-results] [--local-dir DIR] [--quick]
+                       [--repeat 7] [--out bench-results] [--local-dir DIR] [--quick]
 
 The values the connector stores (docs/CONNECTOR.md#chunks): 1 MiB, a GPU chunk (16 pages
 of 64 KiB: Qwen3-8B's 16-token blocks, the default 256-token chunk), and 2 MiB (a CPU
@@ -545,7 +545,7 @@ def main() -> int:
         "--sizes", default="64KiB,1MiB,2MiB", help="value sizes (default 64KiB,1MiB,2MiB)"
     )
     ap.add_argument("--total", default="128MiB", help="bytes of values per size and round")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds (median and best shown)")
+    ap.add_argument("--repeat", type=int, default=7, help="rounds (median and best shown)")
     ap.add_argument("--out", default=str(REPO / "bench-results"), help="JSON output folder")
     ap.add_argument("--local-dir", default=None, help="directory for the disk-tier runs")
     ap.add_argument("--put-worker", nargs=6, help=argparse.SUPPRESS)

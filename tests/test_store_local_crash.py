@@ -24,15 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ucm_patch.hooks.stores.local import LocalStore
 
-BATCH, VALUE = 8, 192 << 10
-CAPACITY = 256 << 20  # nothing is evicted: every value stored must still be there
+BATCH = 8
+SMALL, LARGE = 192 << 10, 384 << 10  # LARGE > framing.PIECE: a disk batch's headers go in last
+CAPACITY = 512 << 20  # nothing is evicted: every value stored must still be there
 ROUNDS = 8
 
 
-def value_of(key: str) -> bytes:
+def value_of(key: str, size: int) -> bytes:
     """The only value ever stored under ``key`` (cheap to make: the writer's time goes
     into the store, where the kill should land)."""
-    return hashlib.blake2b(key.encode()).digest() * (VALUE // 64)
+    return hashlib.blake2b(key.encode()).digest() * (size // 64)
 
 
 def _store(path: str, memory: str) -> LocalStore:
@@ -40,18 +41,20 @@ def _store(path: str, memory: str) -> LocalStore:
     return LocalStore(path, capacity_bytes=CAPACITY, segment_bytes=8 << 20, **extra)
 
 
-def _writer(path: str, memory: str, tag: str) -> None:
+def _writer(path: str, memory: str, tag: str, size: int) -> None:
     s = _store(path, memory)
     n = 0
     while True:
         keys = [f"{tag}-{n}-{j}" for j in range(BATCH)]
-        assert s.put_many([(k, value_of(k)) for k in keys]) == [True] * BATCH
+        assert s.put_many([(k, value_of(k, size)) for k in keys]) == [True] * BATCH
         print(n, flush=True)
         n += 1
 
 
-@pytest.mark.parametrize("tiers", ["disk", "memory+disk"])
-def test_sigkill_mid_write_loses_nothing_stored(tmp_path: Path, tiers: str) -> None:
+@pytest.mark.parametrize(
+    ("tiers", "size"), [("disk", SMALL), ("memory+disk", SMALL), ("disk", LARGE)]
+)
+def test_sigkill_mid_write_loses_nothing_stored(tmp_path: Path, tiers: str, size: int) -> None:
     path = str(tmp_path / "kv")
     memory = str(tmp_path / "shm") if "memory" in tiers else ""
     rng = random.Random(20261125)
@@ -60,7 +63,7 @@ def test_sigkill_mid_write_loses_nothing_stored(tmp_path: Path, tiers: str) -> N
     for r in range(ROUNDS):
         tag = f"r{r}"
         proc = subprocess.Popen(
-            [sys.executable, __file__, "--writer", path, memory, tag],
+            [sys.executable, __file__, "--writer", path, memory, tag, str(size)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -82,10 +85,10 @@ def test_sigkill_mid_write_loses_nothing_stored(tmp_path: Path, tiers: str) -> N
 
         s = _store(path, memory)  # opens after the kill
         got = s.get_many(done)
-        missing = [k for k, v in zip(done, got, strict=True) if v != value_of(k)]
+        missing = [k for k, v in zip(done, got, strict=True) if v != value_of(k, size)]
         assert not missing, f"round {r}: {len(missing)} stored values lost, e.g. {missing[:3]}"
         for k, v in zip(torn, s.get_many(torn), strict=True):
-            assert v is None or v == value_of(k), f"round {r}: torn value served for {k}"
+            assert v is None or v == value_of(k, size), f"round {r}: torn value served for {k}"
         assert s.stats["corrupt"] == 0, s.stats
         s.close()
 
@@ -94,12 +97,12 @@ def test_sigkill_mid_write_loses_nothing_stored(tmp_path: Path, tiers: str) -> N
     extra = [f"after-{i}" for i in range(64)]
     for i in range(0, len(extra), BATCH):
         chunk = extra[i : i + BATCH]
-        assert s.put_many([(k, value_of(k)) for k in chunk]) == [True] * len(chunk)
-    assert s.get_many(extra) == [value_of(k) for k in extra]
-    assert s.get_many(done) == [value_of(k) for k in done]
+        assert s.put_many([(k, value_of(k, size)) for k in chunk]) == [True] * len(chunk)
+    assert s.get_many(extra) == [value_of(k, size) for k in extra]
+    assert s.get_many(done) == [value_of(k, size) for k in done]
     owners = {row.owner for tier in s.tiers for row in tier.index.segments().values()}
     assert os.getpid() not in owners  # every put gave its segment back
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--writer"]:
-    _writer(sys.argv[2], sys.argv[3], sys.argv[4])
+    _writer(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))

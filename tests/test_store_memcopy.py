@@ -1,6 +1,7 @@
 """hooks/stores/memcopy.py: the copy the stores use for every value's bytes.
 
-A writable contiguous pair goes through ``ctypes.memmove`` (a foreign call: ctypes lets
+A writable contiguous destination and a writable contiguous or ``bytes`` source go through
+``ctypes.memmove`` (a foreign call: ctypes lets
 other threads run meanwhile; bench_stores shows what that buys with several workers);
 anything else is copied by slicing; a length mismatch is refused before any byte moves.
 """
@@ -31,11 +32,17 @@ def test_writable_buffers_are_moved_without_slicing(moves: list[int]) -> None:
     assert dst.tobytes() == bytes(src) and moves == [N]
 
 
+def test_a_bytes_source_is_moved_without_slicing(moves: list[int]) -> None:
+    data = bytes(range(256)) * (N // 256)
+    dst = memoryview(bytearray(N))
+    memcopy.copy_bytes(dst, data)  # immutable: its address is taken through c_char_p
+    assert dst.tobytes() == data and moves == [N]
+
+
 def test_read_only_and_small_sources_are_sliced(moves: list[int]) -> None:
     data = bytes(range(256)) * (N // 256)
     dst = memoryview(bytearray(N))
-    memcopy.copy_bytes(dst, data)  # bytes: read-only
-    memcopy.copy_bytes(dst, memoryview(data))
+    memcopy.copy_bytes(dst, memoryview(data))  # a read-only view: no address to take
     small = memoryview(bytearray(memcopy.GIL_FREE_MIN - 1))
     memcopy.copy_bytes(small, memoryview(bytearray(b"x" * len(small))))
     assert dst.tobytes() == data and small.tobytes() == b"x" * len(small)

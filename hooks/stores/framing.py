@@ -44,8 +44,9 @@ C call per value beyond its copy (a value over :data:`PIECE`: one per piece, eac
 right after its copy, see :func:`copy_framed`; the digest is the same); algo 3 and CRC32
 values written before stay readable, and without the ``xxhash`` package the store writes
 CRC32 (never fails). 32 bits of XXH3 miss a random corruption with the same 2^-32 chance as
-a CRC32. python-xxhash holds the GIL while hashing; zlib releases it but is slower by more
-than the number of dump workers.
+a CRC32. python-xxhash releases the GIL while hashing (since 3.0, the oldest version this
+package accepts), as zlib does, so other threads run meanwhile: the disk tier writes a
+batch's payloads while it hashes them (:mod:`.sidecar`).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ the forward thread for its duration. ``ctypes.memmove`` is a foreign call: ctype
 the GIL around it, and XXH3 releases it while hashing, so two workers now copy at once
 (docs/CONNECTOR.md#store: the measurement).
 
-Only whole, C-contiguous, writable buffers have an address ctypes can take; anything else
-(a ``bytes`` value, a read-only mapping) is copied by slice assignment, as before.
+Only whole, C-contiguous, writable buffers have an address ctypes can take, and ``bytes``
+objects (``c_char_p`` points into them); anything else (a read-only mapping, a strided
+view) is copied by slice assignment, as before.
 """
 
 from __future__ import annotations
@@ -23,11 +24,20 @@ _from_buffer = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 
 
+def _bytes_address(b: bytes) -> int:
+    """Where a ``bytes`` object's data starts (``c_char_p`` of bytes points into it)."""
+    return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
+
+
 def addresses(dst: memoryview, src: memoryview | bytes) -> tuple[int, int] | None:
-    """The start addresses of ``dst`` and ``src`` when both are writable contiguous
-    buffers (valid while the caller holds them), else None: then copy by slicing."""
+    """The start addresses of ``dst`` and ``src`` when ``dst`` is a writable contiguous
+    buffer and ``src`` one too or a ``bytes`` object (valid while the caller holds them),
+    else None: then copy by slicing."""
     try:
-        return _addressof(_from_buffer(dst)), _addressof(_from_buffer(src))
+        to = _addressof(_from_buffer(dst))
+        if type(src) is bytes:  # immutable: its buffer is only readable, and never moves
+            return to, _bytes_address(src)
+        return to, _addressof(_from_buffer(src))
     except (TypeError, ValueError, BufferError):  # read-only or not contiguous
         return None
 
