@@ -10,6 +10,7 @@ import errno
 import gc
 import hashlib
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -60,6 +61,36 @@ def test_an_exception_of_the_call_is_raised_by_join_and_the_sidecar_still_works(
         side.join()
     side.start(len, b"abc")
     assert side.join() == 3
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_an_interrupted_join_gives_the_sidecar_up_and_the_next_call_gets_a_new_one() -> None:
+    side = sidecar()
+    release = threading.Lock()
+    release.acquire()
+
+    def raise_interrupt(signum: int, frame: object) -> None:
+        raise _Interrupt
+
+    old = signal.signal(signal.SIGALRM, raise_interrupt)
+    try:
+        side.start(release.acquire)  # runs until released below
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(_Interrupt):
+            side.join()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    fresh = sidecar()
+    assert fresh is not side  # the old call still runs on the old sidecar
+    fresh.start(int, "5")
+    assert fresh.join() == 5
+    release.release()  # the old call ends; its completion reaches nobody
+    fresh.start(int, "6")
+    assert fresh.join() == 6
 
 
 def test_each_thread_has_its_own_sidecar_which_stops_with_the_thread() -> None:

@@ -40,7 +40,7 @@ class _Slot:
     """What the caller and its sidecar thread share; the thread holds only this (so the
     :class:`Sidecar` can be collected, which stops the thread)."""
 
-    __slots__ = ("done", "error", "go", "job", "result")
+    __slots__ = ("done", "go", "job", "outcome")
 
     def __init__(self) -> None:
         self.go = _thread.allocate_lock()
@@ -48,8 +48,7 @@ class _Slot:
         self.done = _thread.allocate_lock()
         self.done.acquire()
         self.job: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
-        self.result: Any = None
-        self.error: BaseException | None = None
+        self.outcome: tuple[Any, BaseException | None] = (None, None)
 
 
 def _serve(slot: _Slot) -> None:
@@ -58,10 +57,11 @@ def _serve(slot: _Slot) -> None:
         job = slot.job
         if job is None:  # stop
             return
+        fn, args = job
         try:
-            slot.result = job[0](*job[1])
+            slot.outcome = (fn(*args), None)
         except BaseException as exc:  # handed to the caller's join()
-            slot.error = exc
+            slot.outcome = (None, exc)
         slot.done.release()
 
 
@@ -88,12 +88,19 @@ class Sidecar:
         slot.go.release()
 
     def join(self) -> Any:
-        """Wait for the call :meth:`start` began: its result, or its exception raised here."""
+        """Wait for the call :meth:`start` began: its result, or its exception raised here.
+
+        A wait interrupted (a signal's exception in the main thread) leaves the call
+        running: this sidecar is then given up (the thread's next :func:`sidecar` starts a
+        new one), so no later call can mistake the old call's completion for its own."""
         slot = self._slot
-        slot.done.acquire()
-        slot.job = None
-        error, slot.error = slot.error, None
-        result, slot.result = slot.result, None
+        try:
+            slot.done.acquire()
+        except BaseException:
+            if getattr(_local, "sidecar", None) is self:
+                del _local.sidecar
+            raise
+        (result, error), slot.outcome = slot.outcome, (None, None)  # keep no reference
         if error is not None:
             raise error
         return result
