@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ucm_patch.typing_guard import TYPE_CHECKING
 
@@ -207,7 +206,6 @@ class _NoLayerName:
     """Matches no object's class: ``LayerSite.name_class`` where no wrapper name exists."""
 
 
-@dataclass(frozen=True)
 class LayerSite:
     """Where a wrapped call keeps the layer, its name and its KV cache.
 
@@ -226,31 +224,50 @@ class LayerSite:
     ``wait`` / ``save``: which half of the bracket this site adds. Both by default; a site
     where upstream already makes one of the calls natively (vLLM-Ascend main waits in
     its GDN core itself) adds only the other, so the connector never sees it twice.
+
+    A plain class, not a dataclass: ``dataclasses`` imports ``inspect`` (and ``ast``,
+    ``dis``, ``tokenize``), which ``import ucm_patch`` would then pay for at every
+    interpreter start.
     """
 
-    layer: str = LAYER_IS_INSTANCE
-    index: int = -1
-    key: str = "layer_name"
-    name_attr: str = "prefix"
-    name_class: type = _NoLayerName
-    resolve_name: Callable[[Any], str] = _same_name
-    kv_index: int = -1
-    kv_key: str = "kv_cache"
-    stage: str = STAGE_NONE
-    wait: bool = True
-    save: bool = True
+    __slots__ = (
+        "index", "key", "kv_index", "kv_key", "layer", "name_attr", "name_class",
+        "resolve_name", "save", "stage", "wait",
+    )  # fmt: skip
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        layer: str = LAYER_IS_INSTANCE,
+        index: int = -1,
+        key: str = "layer_name",
+        name_attr: str = "prefix",
+        name_class: type = _NoLayerName,
+        resolve_name: Callable[[Any], str] = _same_name,
+        kv_index: int = -1,
+        kv_key: str = "kv_cache",
+        stage: str = STAGE_NONE,
+        wait: bool = True,
+        save: bool = True,
+    ) -> None:
         layers = (LAYER_IS_INSTANCE, LAYER_ARGUMENT, LAYER_NAME_ARGUMENT)
-        if self.layer not in layers:
-            raise ValueError(f"LayerSite.layer={self.layer!r}; expected one of {layers}")
-        if self.layer != LAYER_IS_INSTANCE and self.index < 0:
-            raise ValueError(f"LayerSite.index={self.index!r}: layer={self.layer!r} needs one")
+        if layer not in layers:
+            raise ValueError(f"LayerSite.layer={layer!r}; expected one of {layers}")
+        if layer != LAYER_IS_INSTANCE and index < 0:
+            raise ValueError(f"LayerSite.index={index!r}: layer={layer!r} needs one")
         stages = (STAGE_NONE, STAGE_VIRTUAL_ENGINE, STAGE_FIRST)
-        if self.stage not in stages:
-            raise ValueError(f"LayerSite.stage={self.stage!r}; expected one of {stages}")
-        if not (self.wait or self.save):
+        if stage not in stages:
+            raise ValueError(f"LayerSite.stage={stage!r}; expected one of {stages}")
+        if not (wait or save):
             raise ValueError("LayerSite: wait=False and save=False leave nothing to add")
+        self.layer, self.index, self.key, self.name_attr = layer, index, key, name_attr
+        self.name_class, self.resolve_name = name_class, resolve_name
+        self.kv_index, self.kv_key, self.stage = kv_index, kv_key, stage
+        self.wait, self.save = wait, save
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)
+        return f"LayerSite({fields})"
 
 
 def site_for_hooks(hooks: tuple[str, ...]) -> dict[str, bool]:
@@ -370,7 +387,6 @@ class LayerEvents:
         return event
 
 
-@dataclass(frozen=True)
 class KVReadySite:
     """Where a KV-writing call (or the call right after the write) names its layer.
 
@@ -380,13 +396,26 @@ class KVReadySite:
     identity). ``after``: publish once the wrapped call returned (it is the write itself);
     else before it runs (it is the notification or save that follows the write, and must
     already find the event). An empty name names no layer and publishes nothing.
+    A plain class, as :class:`LayerSite`.
     """
 
-    index: int = 0
-    key: str = "layer_name"
-    default: Any = _REQUIRED
-    resolve_name: Callable[[Any], str] = _same_name
-    after: bool = False
+    __slots__ = ("after", "default", "index", "key", "resolve_name")
+
+    def __init__(
+        self,
+        *,
+        index: int = 0,
+        key: str = "layer_name",
+        default: Any = _REQUIRED,
+        resolve_name: Callable[[Any], str] = _same_name,
+        after: bool = False,
+    ) -> None:
+        self.index, self.key, self.default = index, key, default
+        self.resolve_name, self.after = resolve_name, after
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)
+        return f"KVReadySite({fields})"
 
 
 def kv_ready_wrapper(site: KVReadySite, record: Callable[[str], Any]) -> Wrapper:

@@ -12,9 +12,12 @@ def test_import_imports_neither_vllm_nor_torch(run_py) -> None:
     proc = run_py("""
         import sys, ucm_patch
         # packaging too: ranges are parsed when a target's module is imported, not here
-        # (scripts/bench_core.py measures the start cost in a site without it)
+        # (scripts/bench_core.py measures the start cost in a site without it); and
+        # dataclasses / inspect: a dataclass in a module imported at start pulled in
+        # inspect, ast, dis and tokenize, half of the start budget
         heavy = sorted(
-            m for m in ("vllm", "torch", "wrapt", "asyncio", "packaging") if m in sys.modules
+            m for m in ("vllm", "torch", "wrapt", "asyncio", "packaging", "dataclasses",
+                        "inspect") if m in sys.modules
         )
         print(heavy)
         assert ucm_patch.registry().active
