@@ -135,6 +135,18 @@ class Lease:
     end: int
 
 
+def _file_parts(batch: Sequence[Record], headers: list[bytes]) -> list[bytes | memoryview]:
+    """The ``pwritev`` buffers of ``batch`` in a file segment: per record its digest, the
+    zero fill, ``headers[i]`` and the payload, padded to 64 bytes."""
+    parts: list[bytes | memoryview] = []
+    for (digest, _key, payload), header in zip(batch, headers, strict=True):
+        parts += (digest, _PAD, header, payload)
+        pad = -len(payload) & 63
+        if pad:
+            parts.append(_ZEROS[:pad])
+    return parts
+
+
 def _copy_each(copies: list[tuple[memoryview, memoryview]]) -> None:
     for dst, src in copies:
         copy_bytes(dst, src)
@@ -382,14 +394,8 @@ class Tier:
                 off = (stop + 63) & ~63
         else:
             secret = self.secret
-            parts: list[bytes | memoryview] = []
-            for digest, key, payload in batch:
-                header = key if framed else make_header(key, payload, secret)
-                parts += (digest, _PAD, header, payload)
-                pad = -len(payload) & 63
-                if pad:
-                    parts.append(_ZEROS[:pad])
-            self.files.write(lease.seg, lease.end, parts)
+            headers = [k if framed else make_header(k, p, secret) for _d, k, p in batch]
+            self.files.write(lease.seg, lease.end, _file_parts(batch, headers))
         if view is None and self.fsync:
             self.files.sync(lease.seg)
 
@@ -413,12 +419,7 @@ class Tier:
             off = (off + RECORD_HEADER + len(payload) + 63) & ~63
         side = sidecar()
         if view is None:
-            parts: list[bytes | memoryview] = []
-            for digest, _key, payload in batch:
-                parts += (digest, _PAD, _BLANK_HEADER, payload)
-                pad = -len(payload) & 63
-                if pad:
-                    parts.append(_ZEROS[:pad])
+            parts = _file_parts(batch, [_BLANK_HEADER] * len(batch))
             side.start(files.write, seg, lease.end, parts)
         else:
             copies = [
