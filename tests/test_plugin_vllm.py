@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 GENERATE = """
     import json, sys
     from vllm import LLM, SamplingParams
@@ -83,3 +85,56 @@ def test_plugin_filtered_out_by_vllm_plugins(run_py, tmp_path: Path, tiny_qwen3:
         },
     )
     assert _events(report_dir) == {}
+
+
+PLUGIN_LOADER = """
+    import importlib, json, sys
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # vLLM's own loader, as every vLLM process runs it
+    plugin_loaded = "ucm_patch.plugin" in sys.modules
+    import ucm_patch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    # import the targets, as a vLLM process building its model would
+    for module in sorted({
+        r["target"].partition(":")[0]
+        for r in ucm_patch.report() if r["state"] == "waiting-for-import"
+    }):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass  # a platform's own module (XPU)
+    cls = KVConnectorFactory.get_connector_class_by_name("UCMPatchConnector")
+    print("RESULT " + json.dumps({
+        "plugin": plugin_loaded,
+        "active": ucm_patch.registry().active,
+        "states": {r["id"]: r["state"] for r in ucm_patch.report()},
+        "connector": f"{cls.__module__}.{cls.__qualname__}",
+    }))
+"""
+
+
+@pytest.mark.vllm
+def test_plugin_loads_with_unknown_variables_set(run_py) -> None:
+    """Issue #36: through vLLM's real plugin loader, with the README's old matrix variable
+    and a misspelt toggle exported, the patches apply, the connector is found, and the
+    stray names are one warning, not "Failed to load plugin ucm_patch"."""
+    proc = run_py(
+        PLUGIN_LOADER,
+        env={
+            "VLLM_PLUGINS": "ucm_patch",
+            "UCM_PATCH_MATRIX_DIR": "/x",
+            "UCM_PATCH_GDN_LAYERWSE": "0",  # a typo: switches nothing off
+        },
+    )
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    result = json.loads(line[len("RESULT ") :])
+    assert result["plugin"] and result["active"], proc.stderr
+    assert result["connector"] == "ucm_patch.connector.kv_connector.UCMPatchConnector"
+    states = result["states"]
+    assert "failed" not in states.values(), states
+    assert any(s == "applied" for r, s in states.items() if r.startswith("gdn_layerwise@")), states
+    assert "Failed to load plugin" not in proc.stderr
+    warned = [ln for ln in proc.stderr.splitlines() if "UCM_PATCH_MATRIX_DIR" in ln]
+    assert len(warned) == 1 and "UCM_PATCH_GDN_LAYERWSE (did you mean" in warned[0], warned

@@ -1,5 +1,6 @@
-"""Settings are parsed once, checked by one module, and declared by the module that reads
-them (issue #28, item 1)."""
+"""Settings are parsed once and checked by one module (issue #28, item 1); every
+``UCM_PATCH*`` environment variable is declared, read and parsed by ``ucm_patch.environment``
+(issue #36, item 2)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from ucm_patch import activation, toggles
+from ucm_patch import activation, environment, toggles
 from ucm_patch.connector import config as connector_config
 from ucm_patch.connector import kv_connector
 from ucm_patch.errors import ConfigError
 from ucm_patch.hooks import stores
+from ucm_patch.hooks.dump.scheduler import exit_flush_seconds
 from ucm_patch.hooks.settings import SettingError
+from ucm_patch.hooks.stores.framing import load_store_key
 
 REPO = Path(__file__).resolve().parent.parent
-_SETTING = re.compile(r"^UCM_PATCH_[A-Z0-9_]+$")
+_SETTING = re.compile(r"^UCM_PATCH(_[A-Z0-9_]+)?$")
 
 
 def test_the_connector_parses_its_store_config_once(tmp_path: Path, monkeypatch) -> None:
@@ -72,27 +75,55 @@ def _env_literals(path: Path) -> set[str]:
     }
 
 
-def test_each_module_declares_the_settings_it_reads_and_the_core_names_none_of_theirs() -> None:
-    declared = activation.declared_settings()
-    assert declared and not declared & toggles.SETTING_VARS
-    for path in sorted((REPO / "hooks").rglob("*.py")):
-        names = _env_literals(path)
-        if not names:
-            continue
-        module = "ucm_patch.hooks." + ".".join(
-            path.relative_to(REPO / "hooks").with_suffix("").parts
-        )
-        own = set(__import__(module, fromlist=["ENV_SETTINGS"]).ENV_SETTINGS)
-        assert names <= own, f"{module} reads {sorted(names - own)} without declaring them"
-        assert own <= declared, f"{module}'s settings are not accepted: {sorted(own - declared)}"
-    core = set().union(*(_env_literals(p) for p in (REPO / "ucm_patch").glob("*.py")))
-    assert not core & declared, f"the core names settings of hooks/: {sorted(core & declared)}"
+def test_every_variable_is_named_in_one_module_and_documented() -> None:
+    """Issue #36: every ``UCM_PATCH*`` variable is declared, read and parsed in
+    ``ucm_patch.environment``; no other installed module names one as a string of its own
+    (they take the parsed value, or the environment module's constant), and each declared
+    variable is documented."""
+    assert environment.SWITCH in environment.VARIABLES
+    named = {}
+    for folder in ("ucm_patch", "hooks", "patches"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path != REPO / "ucm_patch" / "environment.py" and _env_literals(path):
+                named[str(path.relative_to(REPO))] = sorted(_env_literals(path))
+    assert not named, f"UCM_PATCH* variables named outside ucm_patch/environment.py: {named}"
+    assert _env_literals(REPO / "ucm_patch" / "environment.py") >= set(environment.VARIABLES)
+    docs = (REPO / "README.md").read_text(encoding="utf-8") + "".join(
+        p.read_text(encoding="utf-8") for p in (REPO / "docs").glob("*.md")
+    )
+    undocumented = sorted(v for v in environment.VARIABLES if f"`{v}" not in docs)
+    assert not undocumented, f"declared but documented nowhere: {undocumented}"
 
 
-def test_declared_settings_pass_the_toggle_check_and_unknown_ones_do_not() -> None:
+def test_the_hooks_settings_pass_the_toggle_check() -> None:
     env = {"UCM_PATCH_STORE_KEY": "0123456789abcdef", "UCM_PATCH_DUMP_EXIT_FLUSH_S": "2"}
     reg = activation.registry()
-    resolver = toggles.ToggleResolver(reg.names, env=env, settings=activation.declared_settings)
+    resolver = toggles.ToggleResolver(reg.names, env=env, strict=True)
     assert resolver.env_toggles == {}
-    with pytest.raises(ConfigError, match="UCM_PATCH_STORE_KEY"):
-        toggles.ToggleResolver(reg.names, env=env)  # nobody declared it
+    assert exit_flush_seconds(env) == 2.0
+    assert load_store_key(env) == b"0123456789abcdef"
+
+
+def test_each_variable_is_parsed_once_while_the_environment_stays_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Read in one place, parsed once: the dump engine asking twice parses the variable
+    once; a program that changes it afterwards (a test, a launcher) is seen."""
+    var = environment.VARIABLES[environment.DUMP_EXIT_FLUSH_S]
+    calls: list[str] = []
+
+    def counting(name: str, value: str) -> object:
+        calls.append(value)
+        return real(name, value)
+
+    real = var.parse
+    monkeypatch.setattr(var, "parse", counting)
+    monkeypatch.setenv(environment.DUMP_EXIT_FLUSH_S, "3")
+    assert exit_flush_seconds() == exit_flush_seconds() == 3.0
+    assert environment.current() is environment.current()
+    assert calls == ["3"]
+    monkeypatch.setenv(environment.DUMP_EXIT_FLUSH_S, "4")
+    assert exit_flush_seconds() == 4.0 and calls == ["3", "4"]
+    monkeypatch.setenv(environment.DUMP_EXIT_FLUSH_S, "soon")
+    with pytest.raises(ConfigError, match="UCM_PATCH_DUMP_EXIT_FLUSH_S='soon'"):
+        exit_flush_seconds()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
+from ucm_patch import environment
 from ucm_patch.errors import ConfigError
 from ucm_patch.toggles import ToggleResolver, parse_bool
 
@@ -90,9 +92,9 @@ def test_json_config(tmp_path: Path) -> None:
 BAD_ENV = [
     ({"UCM_PATCH_GDN_LAYERWISE": "maybe"}, r"UCM_PATCH_GDN_LAYERWISE='maybe'.*1/0, true/false"),
     (
-        {"UCM_PATCH_GDN_LAYERWSE": "0"},
-        r"UCM_PATCH_GDN_LAYERWSE is not a ucm_patch variable.*"
-        r"UCM_PATCH_GDN_LAYERWISE",
+        {"UCM_PATCH_GDN_LAYERWSE": "0", "UCM_PATCH_STRICT": "1"},
+        r"UCM_PATCH_GDN_LAYERWSE \(did you mean UCM_PATCH_GDN_LAYERWISE\?\) is not a "
+        r"ucm_patch variable",
     ),
     (
         {"UCM_PATCH_CONFIG": "/nonexistent/x.toml"},
@@ -148,6 +150,27 @@ def test_bad_config_file_is_a_clear_error(tmp_path: Path, text: str, message: st
 def test_bad_code_toggles(code: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         resolver(code=code)
+
+
+def test_unknown_variable_is_one_warning_not_an_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #36: one WARNING per process names each unknown variable and the nearest
+    known name; the known toggles still apply. ``strict`` (or UCM_PATCH_STRICT=1) raises."""
+    monkeypatch.setattr(environment, "_warned", set())
+    env = {"UCM_PATCH_KV_READY_EVNT": "1", "UCM_PATCH_NOPE": "1", "UCM_PATCH_GDN_LAYERWISE": "0"}
+    with caplog.at_level(logging.WARNING, logger="ucm_patch"):
+        r = resolver(env)
+        resolver(env)  # the same names again: said once per process
+    assert r.env_toggles == {"gdn_layerwise": False}
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "ucm_patch"]
+    assert len(lines) == 1 and caplog.records[0].levelno == logging.WARNING
+    assert "UCM_PATCH_KV_READY_EVNT (did you mean UCM_PATCH_KV_READY_EVENT?)" in lines[0]
+    assert "UCM_PATCH_NOPE;" in lines[0]  # nothing close: named alone
+    with pytest.raises(ConfigError, match=r"UCM_PATCH_KV_READY_EVNT .* are not ucm_patch var"):
+        ToggleResolver(KNOWN, env=env, strict=True)
+    with pytest.raises(ConfigError, match="UCM_PATCH_NOPE"):
+        resolver({**env, "UCM_PATCH_STRICT": "1"})
 
 
 def test_settings_are_not_mistaken_for_patch_names() -> None:

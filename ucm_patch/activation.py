@@ -12,8 +12,8 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 
+from ucm_patch import environment
 from ucm_patch.registry import Registry
-from ucm_patch.toggles import env_flag
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,23 +32,13 @@ def registry() -> Registry:
                 from ucm_patch.patches import all_patch_sets
 
                 records = [r for ps in all_patch_sets() for r in ps.records]
-                _registry = Registry(records, settings=declared_settings)
+                _registry = Registry(records)
     return _registry
-
-
-def declared_settings() -> frozenset[str]:
-    """The UCM_PATCH_* environment settings read outside the core, as the module that
-    reads each declares it (``ENV_SETTINGS``); imported only when the environment holds a
-    UCM_PATCH_* variable that is neither a toggle nor a core setting."""
-    from ucm_patch.hooks.dump.scheduler import ENV_SETTINGS as dump_settings
-    from ucm_patch.hooks.stores.framing import ENV_SETTINGS as store_settings
-
-    return frozenset({*dump_settings, *store_settings})
 
 
 def enabled_by_env(env: Mapping[str, str] | None = None) -> bool:
     """False when ``UCM_PATCH=0`` (or off/false/no) switches the package off."""
-    return env_flag("UCM_PATCH", env, default=True)
+    return environment.read(env).enabled
 
 
 def activate(
@@ -62,21 +52,23 @@ def activate(
     Args:
         patches: explicit per-patch switches by logical name; they win over the
             environment and the config file.
-        strict: raise on any patch failure; default from ``UCM_PATCH_STRICT``.
-        env: environment to read (tests); default ``os.environ``.
+        strict: raise on any patch failure, and on an unknown ``UCM_PATCH_*`` variable
+            (otherwise one WARNING); default from ``UCM_PATCH_STRICT``.
+        env: environment to read (tests); default this process's
+            (:func:`ucm_patch.environment.current`).
     """
-    env = os.environ if env is None else env
+    settings = environment.read(env)
     reg = registry()
-    if not enabled_by_env(env):
+    if not settings.enabled:
         return reg
     if strict is None:
-        strict = env_flag("UCM_PATCH_STRICT", env)
-    debug = env_flag("UCM_PATCH_DEBUG", env)
+        strict = settings.strict
+    debug = settings.debug
     # Note kernel registrations from now on, for native-hook detection (ucm_patch.native).
     from ucm_patch import kernel_ledger
 
     kernel_ledger.watch()
-    report_dir = env.get("UCM_PATCH_REPORT_DIR", "").strip()
+    report_dir = settings.report_dir
     if report_dir and reg.on_event is None:
         reg.on_event = _jsonl_sink(report_dir)
     reg.activate(patches=patches, env=env, strict=strict, debug=debug)

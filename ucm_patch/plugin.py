@@ -38,14 +38,14 @@ def _register_connector() -> None:
     """
     import logging
 
-    from ucm_patch.toggles import env_flag
+    from ucm_patch import environment
 
     try:
         from ucm_patch import connector
 
         connector.register_with_vllm()
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
-        if env_flag("UCM_PATCH_STRICT"):
+        if environment.current().strict:
             raise
         logging.getLogger("ucm_patch").warning(
             "ucm_patch: could not register UCMPatchConnector with vLLM (%s: %s); use "

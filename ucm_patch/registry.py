@@ -53,7 +53,7 @@ from types import ModuleType
 from ucm_patch import importhooks, installer
 from ucm_patch.errors import PatchFailed
 from ucm_patch.records import PatchRecord, Tag, newest_eras
-from ucm_patch.toggles import DeclaredSettings, ToggleResolver
+from ucm_patch.toggles import ToggleResolver
 from ucm_patch.typing_guard import TYPE_CHECKING
 from ucm_patch.versions import InstalledVersion, VersionCache
 
@@ -119,10 +119,7 @@ class Registry:
     ``import ucm_patch`` must stay cheap. The outcome is the same as gating up front.
     """
 
-    def __init__(
-        self, records: Iterable[PatchRecord], settings: DeclaredSettings | None = None
-    ) -> None:
-        self._settings = settings  # UCM_PATCH_* settings declared outside the core
+    def __init__(self, records: Iterable[PatchRecord]) -> None:
         self._lock = threading.RLock()
         _fork_safe(self)
         self._status: dict[str, RecordStatus] = {}
@@ -165,11 +162,12 @@ class Registry:
     ) -> None:
         """Toggle and hook every record; re-running re-resolves toggles (idempotent).
 
-        Raises ConfigError for bad toggles before changing anything.
+        Raises ConfigError for bad toggles before changing anything (and, when ``strict``,
+        for an unknown ``UCM_PATCH_*`` variable, which otherwise is a WARNING).
         """
         versions = self._versions  # one metadata read per distribution and process
         resolver = ToggleResolver(
-            self.names, code=patches, env=env, versions=versions, settings=self._settings
+            self.names, code=patches, env=env, versions=versions, strict=strict
         )
         decisions = [
             (st, resolver.decide(st.record.name, st.record.default)) for st in self._status.values()

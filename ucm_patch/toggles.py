@@ -33,16 +33,20 @@ The environment wins over the file; either way the record must still pass its si
 check and native-hook detection when it applies.
 
 Every bad input is a :class:`~ucm_patch.errors.ConfigError` naming the variable or key,
-the value, and what is accepted. Nothing is silently ignored: an unknown
-``UCM_PATCH_*`` variable or an unknown patch name in the file is an error too.
+the value, and what is accepted; an unknown patch name in the file or in code is one too.
+An unknown ``UCM_PATCH_*`` *variable* is not: it may be another tool's, or a typo, and a
+server must not stop over it. It gets one WARNING naming it and the nearest known name,
+and is an error only under ``UCM_PATCH_STRICT=1`` (:mod:`ucm_patch.environment`, which
+reads and parses every variable; this module gets the parsed values from it).
 """
 
 from __future__ import annotations
 
-import os
 from collections import namedtuple  # not typing.NamedTuple: see ucm_patch.typing_guard
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
+from ucm_patch import environment
+from ucm_patch.environment import parse_bool as parse_bool  # re-exported
 from ucm_patch.errors import ConfigError
 from ucm_patch.typing_guard import TYPE_CHECKING
 from ucm_patch.versions import DIST_ALIASES, VersionCache
@@ -52,53 +56,8 @@ if TYPE_CHECKING:  # parsed lazily: only version-scoped rules need packaging
 
     from packaging.specifiers import SpecifierSet
 
-ENV_PREFIX = "UCM_PATCH_"
-TRUE_WORDS = frozenset({"1", "true", "on", "yes"})
-FALSE_WORDS = frozenset({"0", "false", "off", "no"})
-ACCEPTED_BOOL = "1/0, true/false, on/off, yes/no"
-
-ALLOW_UNTESTED_VAR = "UCM_PATCH_ALLOW_UNTESTED"
-
-# The core's UCM_PATCH_* variables that are settings, not patch toggles. The rooms above
-# the core declare their own (``ENV_SETTINGS`` of each module that reads one); whoever
-# builds the registry hands them in (``settings``), so the core names none of theirs.
-SETTING_VARS = frozenset(
-    {
-        "UCM_PATCH_STRICT",
-        "UCM_PATCH_DEBUG",
-        "UCM_PATCH_CONFIG",
-        "UCM_PATCH_REPORT_DIR",
-        "UCM_PATCH_VLLM_VERSION",
-        "UCM_PATCH_VLLM_ASCEND_VERSION",
-        ALLOW_UNTESTED_VAR,  # registry: newest eras apply past their ceiling
-    }
-)
-#: The settings other modules declare, read only when a variable is neither a toggle nor
-#: a core setting (it imports those modules).
-DeclaredSettings = Callable[[], Iterable[str]]
-
-
-def parse_bool(value: str, where: str) -> bool:
-    """Parse an on/off word; ``where`` names the variable or key for the error."""
-    word = value.strip().lower()
-    if word in TRUE_WORDS:
-        return True
-    if word in FALSE_WORDS:
-        return False
-    raise ConfigError(f"{where}={value!r} is not a switch; accepted: {ACCEPTED_BOOL}")
-
-
-def env_flag(name: str, env: Mapping[str, str] | None = None, default: bool = False) -> bool:
-    """A boolean setting variable (``UCM_PATCH_STRICT`` ...); unset or empty = default."""
-    env = os.environ if env is None else env
-    value = env.get(name, "")
-    if not value.strip():
-        return default
-    return parse_bool(value, name)
-
-
-def env_var_for(name: str) -> str:
-    return ENV_PREFIX + name.upper()
+ALLOW_UNTESTED_VAR = environment.ALLOW_UNTESTED
+env_var_for = environment.toggle_var
 
 
 class Rule(namedtuple("Rule", ("enabled", "when", "where", "allow_untested"), defaults=(None,))):
@@ -122,7 +81,7 @@ def _names_hint(known: Iterable[str]) -> str:
 def load_config(path: str, known: Iterable[str]) -> dict[str, list[Rule]]:
     """Read and validate a toggle file (TOML by default, JSON for ``*.json``)."""
     known = set(known)
-    var = "UCM_PATCH_CONFIG"
+    var = environment.CONFIG
     try:
         with open(path, "rb") as fh:
             raw = fh.read()
@@ -211,18 +170,20 @@ class ToggleResolver:
         code: Mapping[str, bool] | None = None,
         env: Mapping[str, str] | None = None,
         versions: VersionCache | None = None,
-        settings: DeclaredSettings | None = None,
+        strict: bool | None = None,
     ) -> None:
+        """``env``: the environment to read (default: this process's, parsed once);
+        ``strict``: an unknown ``UCM_PATCH_*`` variable raises instead of warning
+        (default: ``UCM_PATCH_STRICT``)."""
         self.known = frozenset(known)
-        self._declared = settings
-        self.env = dict(os.environ if env is None else env)
+        self.environment = environment.read(env)
         self.versions = versions or VersionCache()
         self.code = self._check_code(code or {})
-        self.env_toggles = self._read_env()
-        config_path = self.env.get("UCM_PATCH_CONFIG", "").strip()
+        self.env_toggles = self.environment.toggles(self.known, strict=strict)
+        config_path = self.environment.config_path
         self.config_path = config_path or None
         self.rules = load_config(config_path, self.known) if config_path else {}
-        self.allow_env = self._read_allow_untested()
+        self.allow_env = self.environment.allow_untested(self.known)
 
     def _check_code(self, code: Mapping[str, bool]) -> dict[str, bool]:
         for name, value in code.items():
@@ -236,44 +197,6 @@ class ToggleResolver:
                     f"activate(patches={{{name!r}: {value!r}}}): expected True or False"
                 )
         return dict(code)
-
-    def _read_env(self) -> dict[str, bool]:
-        by_var = {env_var_for(n): n for n in self.known}
-        toggles: dict[str, bool] = {}
-        for var, value in self.env.items():
-            if not var.startswith(ENV_PREFIX) or var in SETTING_VARS:
-                continue
-            name = by_var.get(var)
-            if name is None:
-                declared = frozenset(self._declared()) if self._declared else frozenset()
-                if var in declared:
-                    continue
-                valid = _names_hint(by_var) + ", " + _names_hint(SETTING_VARS | declared)
-                raise ConfigError(
-                    f"{var} is not a ucm_patch variable; patch toggles and settings are: {valid}"
-                )
-            toggles[name] = parse_bool(value, var)
-        return toggles
-
-    def _read_allow_untested(self) -> frozenset[str] | None:
-        """Patch names ``UCM_PATCH_ALLOW_UNTESTED`` allows past their ceilings; None when
-        it says no (0/false/...), which also overrides the config file."""
-        value = self.env.get(ALLOW_UNTESTED_VAR, "").strip()
-        if not value:
-            return frozenset()
-        word = value.lower()
-        if word in TRUE_WORDS:
-            return self.known
-        if word in FALSE_WORDS:
-            return None
-        names = {n.strip() for n in value.split(",") if n.strip()}
-        unknown = sorted(names - self.known)
-        if unknown:
-            raise ConfigError(
-                f"{ALLOW_UNTESTED_VAR}={value!r}: unknown patch name(s) {unknown}; expected "
-                f"{ACCEPTED_BOOL} or patch names separated by commas: {_names_hint(self.known)}"
-            )
-        return frozenset(names)
 
     def allow_untested(self, name: str) -> str:
         """Who lets patch ``name`` apply past its ceiling ("" = nobody): the environment

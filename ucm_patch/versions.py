@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from collections import namedtuple  # not typing.NamedTuple: see ucm_patch.typing_guard
 
+from ucm_patch import environment
 from ucm_patch.errors import ConfigError
 from ucm_patch.typing_guard import TYPE_CHECKING
 
@@ -40,8 +41,8 @@ DIST_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 OVERRIDE_ENV: dict[str, str] = {
-    "vllm": "UCM_PATCH_VLLM_VERSION",
-    "vllm-ascend": "UCM_PATCH_VLLM_ASCEND_VERSION",
+    "vllm": environment.VLLM_VERSION,
+    "vllm-ascend": environment.VLLM_ASCEND_VERSION,
 }
 
 
@@ -100,7 +101,7 @@ def installed(dist: str, index: dict[str, str] | None = _UNSET) -> InstalledVers
     """
     env = OVERRIDE_ENV.get(dist)
     if env:
-        value = os.environ.get(env, "").strip()
+        value = environment.current().version_override(env)
         if value:
             return _parse(dist, value, env)
     names = DIST_ALIASES.get(dist, (dist,))

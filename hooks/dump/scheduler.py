@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import threading
 from collections import deque
@@ -37,6 +36,7 @@ from collections.abc import Callable, Sequence
 from time import monotonic, sleep
 from typing import Any
 
+from ucm_patch import environment
 from ucm_patch.hooks.device import Device
 from ucm_patch.hooks.devices import make_device
 from ucm_patch.hooks.dump.client import DumpClient
@@ -58,10 +58,9 @@ from ucm_patch.hooks.stores.base import StoreError
 
 logger = logging.getLogger(__name__)
 
-#: Environment setting: seconds the exit flush waits for dumps in flight.
-EXIT_FLUSH_VAR = "UCM_PATCH_DUMP_EXIT_FLUSH_S"
-#: The environment settings this module reads (ucm_patch's toggle check accepts them).
-ENV_SETTINGS = (EXIT_FLUSH_VAR,)
+#: Environment setting: seconds the exit flush waits for dumps in flight (declared, read and
+#: parsed by :mod:`ucm_patch.environment`).
+EXIT_FLUSH_VAR = environment.DUMP_EXIT_FLUSH_S
 DEFAULT_EXIT_FLUSH_S = 10.0
 #: A failing store fails every row of every step: one warning per cause per this interval.
 FAILURE_LOG_INTERVAL_S = 60.0
@@ -72,17 +71,11 @@ LOST_IDS_SHOWN = 32
 def exit_flush_seconds(env: dict[str, str] | None = None) -> float:
     """The exit flush bound from :data:`EXIT_FLUSH_VAR` (unset or empty: the default).
 
-    Read when a scheduler is created, so a bad value fails at start, naming the variable."""
-    value = (os.environ if env is None else env).get(EXIT_FLUSH_VAR, "").strip()
-    if not value:
-        return DEFAULT_EXIT_FLUSH_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"{EXIT_FLUSH_VAR}={value!r}: expected a finite number of seconds >= 0")
-    return seconds
+    Asked when a scheduler is created, so a bad value fails at start, naming the variable
+    (a :class:`~ucm_patch.errors.ConfigError`, a ``ValueError``). ``env``: a mapping to read
+    instead of this process's environment (tests)."""
+    seconds = environment.read(env).dump_exit_flush_s
+    return DEFAULT_EXIT_FLUSH_S if seconds is None else seconds
 
 
 _SYNC = int(EventSource.DEVICE_SYNC)
@@ -445,7 +438,8 @@ class DumpScheduler:
         )
 
     def _skip(self, batch: Batch, event: Any, owned: bool) -> bool:
-        """Back-pressure / shut down: count, mark the batch failed, release the event."""
+        """Back-pressure / shut down: count, mark the batch failed, release the event.
+        Back-pressure is said too, once per minute (a slow path: the queue was full)."""
         lock = self._lock
         lock.acquire()
         try:
@@ -455,6 +449,15 @@ class DumpScheduler:
                 self.events.release_locked(event, owned, counted=False)
         finally:
             lock.release()
+        if not self._closed:
+            self._failure_log.warning(
+                "queue full",
+                "dump queue full (%d dumps in flight, on_full=%s): dumps skipped, their "
+                "requests are not stored (the connector's dump_queue_capacity, dump_workers, "
+                "dump_on_full and dump_full_wait_s)",
+                self.capacity,
+                "wait" if self.on_full_wait else "skip",
+            )
         return False
 
     def seal(self, batch: Batch) -> None:

@@ -60,6 +60,7 @@ import struct
 import zlib
 from collections.abc import Callable
 
+from ucm_patch import environment
 from ucm_patch.hooks.stores.memcopy import addresses, copy_bytes, move
 
 try:  # XXH3 (module docstring); CRC32 without the package
@@ -77,10 +78,9 @@ ALGO_XXH3 = 4  # the payload's XXH3 seeded with the XXH3 of prefix and key
 _READ_ALGOS = (ALGO_CRC32, ALGO_XXH3_STREAM, ALGO_XXH3)
 #: The algorithm new unkeyed frames use.
 WRITE_ALGO = ALGO_CRC32 if _xxh3_64 is None else ALGO_XXH3
-KEY_ENV = "UCM_PATCH_STORE_KEY"
-KEY_FILE_ENV = "UCM_PATCH_STORE_KEY_FILE"
-#: The environment settings this module reads (ucm_patch's toggle check accepts them).
-ENV_SETTINGS = (KEY_ENV, KEY_FILE_ENV)
+#: The key's variables (declared, read and parsed by :mod:`ucm_patch.environment`).
+KEY_ENV = environment.STORE_KEY
+KEY_FILE_ENV = environment.STORE_KEY_FILE
 MIN_KEY_BYTES = 16
 
 _HEADER = struct.Struct("<4sBBHQI")
@@ -140,19 +140,20 @@ def checksum(
 
 
 def load_store_key(env: dict[str, str] | None = None) -> bytes | None:
-    """The integrity key from the environment, or None when neither variable is set.
+    """The integrity key from the environment (``env``: a mapping to read instead, tests),
+    or None when neither variable is set.
 
     Why a ValueError (naming the variable) for a short key, an unreadable file, or both
     variables set: silently running without the key the operator meant to set would
     serve unauthenticated values.
     """
-    env = dict(os.environ) if env is None else env
-    inline, path = env.get(KEY_ENV, ""), env.get(KEY_FILE_ENV, "")
-    if inline and path:
-        raise ValueError(f"set only one of {KEY_ENV} and {KEY_FILE_ENV}, not both")
-    if inline:
-        secret, where = inline.encode(), KEY_ENV
-    elif path:
+    source = environment.read(env).store_key_source()
+    if source is None:
+        return None
+    if source[0] == KEY_ENV:
+        secret, where = source[1].encode(), KEY_ENV
+    else:
+        path = source[1]
         where = f"{KEY_FILE_ENV}={path!r}"
         try:
             with open(path, "rb") as f:
@@ -166,8 +167,6 @@ def load_store_key(env: dict[str, str] | None = None) -> bytes | None:
                 where,
                 stat.S_IMODE(mode),
             )
-    else:
-        return None
     if len(secret) < MIN_KEY_BYTES:
         raise ValueError(f"{where}: the key must be at least {MIN_KEY_BYTES} bytes")
     if len(secret) > 64:  # blake2b takes at most 64 key bytes; longer keys are hashed first
