@@ -10,6 +10,7 @@ from ucm_patch.patches.vllm import (
     cpu_block_size,
     gdn_layerwise,
     gdn_variants,
+    hybrid_load_failure,
     kv_ready_event,
     mla_bypass,
 )
@@ -20,6 +21,7 @@ PATCH_SETS: tuple[PatchSet, ...] = patch_sets(
     cpu_block_size,
     gdn_layerwise,
     gdn_variants,
+    hybrid_load_failure,
     kv_ready_event,
     mla_bypass,
 )

@@ -14,9 +14,11 @@ leaves at least one prompt token to compute. Store errors count as a miss.
 
 **Loads**: ``layerwise`` (synchronous, row by row during the forward; load errors become
 ``get_block_ids_with_load_errors`` so vLLM recomputes) when the model has a single attention
-KV-cache group; ``async`` (between steps; failures come back as ``failed_recving``)
-otherwise, because vLLM 0.32 raises on block-level load errors with several groups. A
-request whose load failed is never offered a hit again: vLLM puts a failed async load back
+KV-cache group; ``async`` (between steps; failures come back as ``failed_recving``, as
+invalid blocks on vLLM <= 0.29) otherwise, because vLLM cannot take block-level load errors
+with several groups (0.31+ raise; 0.29 and older unpack one group, see the
+``hybrid_load_failure`` patch; only 0.30 recomputes the whole request). A request whose
+load failed is never offered a hit again: vLLM puts a failed async load back
 in the waiting queue and asks for a hit once more, and a store that fails the same way every
 time (a broken value that is not removed, a store raising on every read) would otherwise
 turn that into lookup, load, fail, forever.

@@ -31,7 +31,9 @@ cause, and never propagates into vLLM, where it would kill the engine (vLLM's ow
 turn a wrapped layer into a silent pass-through with its KV not loaded. Layerwise: all its
 loaded block ids go to ``get_block_ids_with_load_errors`` and vLLM
 (``kv_load_failure_policy="recompute"``) recomputes them. Async: the request is reported
-in ``failed_recving`` (vLLM 0.32) or its blocks as load errors (older vLLM).
+in ``failed_recving`` (vLLM >= 0.30, ``get_transfer_results``) or its blocks as load errors
+(vLLM <= 0.29, ``get_finished``; several KV-cache groups there need the
+``hybrid_load_failure`` patch, docs/CONNECTOR.md "A failed load, per release").
 
 **Shutdown** is bounded by the dump scheduler's ``exit_flush_s`` (``dump_exit_flush_s``):
 the load threads are daemons (:mod:`ucm_patch.connector.load_threads`) and this
