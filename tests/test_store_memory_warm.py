@@ -33,13 +33,15 @@ def shm_dir() -> Iterator[Path]:
     remove_tier_dir(path)
 
 
-def _open(tmp_path: Path, shm_dir: Path, segments: int = 8) -> LocalStore:
+def _open(tmp_path: Path, shm_dir: Path, segments: int = 8, keep: int = 0) -> LocalStore:
+    """``keep``: bytes the tier keeps after its last close (0: spilled and removed)."""
     return LocalStore(
         tmp_path / "kv",
         16 * SEG,
         memory_bytes=segments * SEG,
         memory_path=shm_dir,
         segment_bytes=SEG,
+        memory_keep_bytes=keep,
     )
 
 
@@ -103,8 +105,9 @@ def test_a_put_after_warming_allocates_nothing(
 
 def test_another_process_maps_what_is_there(tmp_path: Path, shm_dir: Path) -> None:
     """A second store on the same directories (another process's view: its own mappings)
-    warms the segments the first one wrote, and reads the values from them."""
-    first = _open(tmp_path, shm_dir)
+    warms the segments the first one wrote, and reads the values from them (the tier
+    outlives the first store: ``local_memory_keep_bytes``)."""
+    first = _open(tmp_path, shm_dir, keep=8 * SEG)
     values = [(f"k{i}", bytes([i + 1]) * (300 << 10)) for i in range(10)]
     try:
         assert first.put_many(values) == [True] * 10
@@ -180,8 +183,8 @@ def test_the_last_quarter_of_the_file_system_is_never_taken_ahead(
 ) -> None:
     """/dev/shm is shared with vLLM's and NCCL's buffers: with a quarter of it left, the
     warmer allocates nothing more (segments already allocated are still mapped), and a
-    put still takes room on demand."""
-    first = _open(tmp_path, shm_dir, segments=8)
+    put still takes room on demand. (The first store's tier outlives it: kept.)"""
+    first = _open(tmp_path, shm_dir, segments=8, keep=8 * SEG)
     try:
         first.put_many([("a", b"a" * (700 << 10))])  # segment 0 exists, allocated
     finally:

@@ -16,13 +16,17 @@ Two ways to reach the bytes, one per tier:
   first (a file truncated behind the store reads as corrupt, never as SIGBUS).
 
 Files are opened through the tier directory's descriptor with ``O_NOFOLLOW``: a symlink
-planted in place of a segment is never followed (:class:`SegmentLost`).
+planted in place of a segment is never followed (:class:`SegmentLost`). A segment is
+created with ``O_EXCL`` and checked with ``fstat`` once open (:mod:`.ownership`): a file
+that is not a regular one, another user's, or open to others beyond ``file_mode`` is never
+read or written (:class:`SegmentLost`).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import stat
@@ -31,8 +35,9 @@ from typing import Any
 
 from ucm_patch.hooks.stores.framing import CorruptValue
 from ucm_patch.hooks.stores.memcopy import copy_bytes
+from ucm_patch.hooks.stores.ownership import ForeignFile, open_file
 
-_FLAGS = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+log = logging.getLogger(__name__)
 
 
 class SegmentLost(OSError):
@@ -63,18 +68,24 @@ class FileSegments:
         fd = self._fds.get(seg)
         if fd is not None:
             return fd
-        flags = _FLAGS | (os.O_CREAT if create else 0)
-        try:
+        name, where = segment_name(seg), self.where(seg)
+        try:  # created exclusively, checked once open: ours, a regular file (ownership)
             try:
-                fd = os.open(segment_name(seg), flags, self.file_mode, dir_fd=self.dir_fd)
+                fd = open_file(name, self.dir_fd, where, self.file_mode, create=create)[0]
             except OSError as exc:
-                if exc.errno != errno.ELOOP or not create:
+                planted = isinstance(exc, ForeignFile) or exc.errno == errno.ELOOP
+                if not create or not planted:
                     raise
-                # a symlink planted where our segment belongs: removed, never followed
-                os.unlink(segment_name(seg), dir_fd=self.dir_fd)
-                fd = os.open(segment_name(seg), flags, self.file_mode, dir_fd=self.dir_fd)
+                # a symlink, or a file the store would not use, where our segment belongs:
+                # its name removed (a writer's own directory), never followed, read or
+                # written; a file of our own is made in its place
+                log.warning("segment %s: %s: replaced by a new file", where, exc.strerror)
+                os.unlink(name, dir_fd=self.dir_fd)
+                fd = open_file(name, self.dir_fd, where, self.file_mode, create=True)[0]
         except FileNotFoundError as exc:
-            raise SegmentLost(errno.ENOENT, "segment missing", self.where(seg)) from exc
+            raise SegmentLost(errno.ENOENT, "segment missing", where) from exc
+        except ForeignFile as exc:
+            raise SegmentLost(errno.EPERM, f"refused: {exc.strerror}", where) from exc
         except OSError as exc:
             if exc.errno in (errno.EROFS, errno.EACCES) and not create:
                 fd = self._open_read_only(seg)  # a read-only directory still serves reads
@@ -103,12 +114,17 @@ class FileSegments:
         return found
 
     def _open_read_only(self, seg: int) -> int:
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+        where = self.where(seg)
         try:
-            return os.open(segment_name(seg), flags, dir_fd=self.dir_fd)
+            return open_file(
+                segment_name(seg), self.dir_fd, where, self.file_mode, create=False,
+                flags=os.O_RDONLY,
+            )[0]  # fmt: skip
+        except ForeignFile as exc:
+            raise SegmentLost(errno.EPERM, f"refused: {exc.strerror}", where) from exc
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENOENT):
-                raise SegmentLost(exc.errno, "not a regular file", self.where(seg)) from exc
+                raise SegmentLost(exc.errno, "not a regular file", where) from exc
             raise
 
     def _opened(self, seg: int, fd: int, create: bool) -> Any:

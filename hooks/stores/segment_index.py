@@ -39,6 +39,13 @@ from typing import NamedTuple, TypeVar
 import lmdb
 
 from ucm_patch.hooks.stores.base import StoreError
+from ucm_patch.hooks.stores.ownership import (
+    ForeignFile,
+    check_entries,
+    open_dir,
+    open_file,
+    refusal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,18 +166,8 @@ class SegmentIndex:
     def _refuse_links(self) -> None:
         """Create ``index/`` (owner only); a symlink in place of it or of its files is
         never followed: the directory is refused, a file link removed."""
-        try:
-            os.mkdir(self.path, self._dir_mode)
-            if self._dir_mode & 0o077:
-                os.chmod(self.path, self._dir_mode)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise StoreError(f"store index: cannot create {self.path!r}: {exc}") from exc
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise StoreError(f"store index: {self.path!r} is not a directory: {exc}") from exc
+        # made here, or this user's and writable by nobody else; never a link (ownership)
+        fd = open_dir(self.path, self._dir_mode, "store index")[0]
         try:
             for name in ("data.mdb", "lock.mdb"):
                 try:
@@ -250,20 +247,29 @@ class SegmentIndex:
         fix the mode of existing ones. Only before this process opens the environment:
         closing any descriptor of ``lock.mdb`` drops every POSIX lock the process holds on
         it, LMDB's included, and another process would then reset the lock table."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        for name in ("data.mdb", "lock.mdb"):
-            try:
-                fd = os.open(os.path.join(self.path, name), flags, self._file_mode)
-            except OSError as exc:
-                if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                    return  # a read-only directory: opened read-only below
-                raise
-            try:
-                st = os.fstat(fd)
-                if stat.S_IMODE(st.st_mode) != self._file_mode:
-                    os.fchmod(fd, self._file_mode)
-            finally:
-                os.close(fd)
+        dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for name in ("data.mdb", "lock.mdb"):
+                where = os.path.join(self.path, name)
+                try:  # created exclusively, checked once open (ownership)
+                    fd = open_file(name, dir_fd, where, self._file_mode, create=True)[0]
+                except ForeignFile as exc:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    raise refusal("store index", where, st, exc.strerror, "file") from None
+                except OSError as exc:
+                    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                        # a read-only directory: opened read-only below, once checked
+                        check_entries(dir_fd, self.path, [name], self._file_mode, "store index")
+                        continue
+                    raise
+                try:
+                    st = os.fstat(fd)
+                    if stat.S_IMODE(st.st_mode) != self._file_mode:
+                        os.fchmod(fd, self._file_mode)
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(dir_fd)
 
     def _check_fork(self) -> None:
         """LMDB handles must not cross fork(): a child reopens the environment."""
