@@ -138,7 +138,7 @@ def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeStore]:
     from ucm_patch.hooks.dump import reset_scheduler
 
     fake = FakeStore()
-    monkeypatch.setattr(connector, "make_store", lambda _config: fake)
+    monkeypatch.setattr(connector, "make_store", lambda _config, **_kw: fake)
     connector._stores.clear()
     reset_scheduler()
     connector_stats.reset()

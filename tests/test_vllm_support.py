@@ -68,7 +68,7 @@ def test_vllm_without_state_offers_leaves_a_hybrid_model_idle(monkeypatch, caplo
         mamba_groups=(object(),), tp_size=1, fingerprint="f", rows=(), groups=()
     )
     monkeypatch.setattr(kv_connector.KVLayout, "from_vllm", lambda *a: layout)
-    monkeypatch.setattr(kv_connector, "shared_store", lambda config: object())
+    monkeypatch.setattr(kv_connector, "shared_store", lambda config, value_bytes=0: object())
     monkeypatch.setattr(kv_connector.KVConnectorBase_V1, "__init__", lambda *a, **k: None)
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, kv_role="kv_both"),

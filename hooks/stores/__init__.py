@@ -25,15 +25,11 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from ucm_patch.hooks import settings as v
-from ucm_patch.hooks.settings import SettingError, parse_size
-from ucm_patch.hooks.stores.base import KVStore, StoreError
+from ucm_patch.hooks.settings import parse_size
+from ucm_patch.hooks.stores.base import KVStore, StoreConfigError, StoreError, ValueSizeError
 
 STORE_KINDS = ("local", "mooncake")
 PREFIXES = ("local_", "mooncake_")
-
-
-class StoreConfigError(SettingError):
-    """A store config key is unknown or its value is invalid; the message names the key."""
 
 
 class StoreConfig(NamedTuple):
@@ -57,13 +53,15 @@ LOCAL_KEYS: v.Table = {
         v.size_at_least(1),
         None,
         "LRU capacity for the directory, shared by all processes (default 10GiB, capped at "
-        "start by free space + bytes stored)",
+        "start by free space + bytes stored); at least 4 of the connector's largest values, "
+        "else refused at start",
     ),
     "local_memory_bytes": (
         parse_size,
         None,
         "memory tier shared by the host's processes, spilling to local_path; 0 disables it "
-        "(default: an eighth of the tmpfs, at most 2GiB)",
+        "(default: an eighth of the tmpfs, at most 2GiB, left out when under 4 of the "
+        "connector's largest values); a set size under that is refused at start",
     ),
     "local_memory_path": (
         v.path,
@@ -71,11 +69,20 @@ LOCAL_KEYS: v.Table = {
         "memory tier directory, on a tmpfs (default: $XDG_RUNTIME_DIR/ucm_patch/<id>, "
         "else /dev/shm/ucm_patch-<uid>/<id>)",
     ),
+    "local_memory_keep_bytes": (
+        parse_size,
+        0,
+        "bytes of the memory tier kept in the tmpfs once no process uses it (a restarted "
+        "server reads them warm): the last process to close the store spills the rest to "
+        "local_path first. 0 (default): spilled in full and the tier removed, so a stopped "
+        "server gives its RAM back, as vLLM's own CPU offloading does",
+    ),
     "local_segment_bytes": (
         v.size_at_least(4096),
         64 << 20,
         "size of the files values are packed into, fixed per directory at its creation "
-        "(default 64MiB; a value must fit in one)",
+        "(default 64MiB; grown to hold the connector's largest value; a directory made "
+        "with smaller ones is refused at start)",
     ),
     "local_fsync": (v.flag, False, "fsync segment + index on every put (default false)"),
     "local_dir_mode": (v.file_mode(0o700), 0o700, "mode of new directories (default 0700)"),
@@ -141,9 +148,16 @@ def parse_store_config(config: Mapping[str, Any] | None) -> StoreConfig:
     return StoreConfig(kind, MappingProxyType(parsed))
 
 
-def make_store(config: StoreConfig | Mapping[str, Any] | None = None) -> KVStore:
+def make_store(
+    config: StoreConfig | Mapping[str, Any] | None = None, *, value_bytes: int = 0
+) -> KVStore:
     """Build the configured store (default: a local store in the user's cache dir) from a
     :class:`StoreConfig`, or from the raw keys (parsed here, once).
+
+    ``value_bytes``: the largest value the caller will put (the connector's, from its
+    layout; 0: not known). A local store's segments are made to hold one, or the config
+    is refused here, naming the keys and the size (:class:`~.local.LocalStore`); a memory
+    tier of the default size too small for it is left out, with a warning.
 
     Raises :class:`StoreConfigError` for bad config and :class:`StoreError` when the store
     cannot start (directory not creatable, Mooncake master unreachable).
@@ -155,7 +169,7 @@ def make_store(config: StoreConfig | Mapping[str, Any] | None = None) -> KVStore
         memory_path = c["local_memory_path"]
         memory_bytes = c["local_memory_bytes"]
         if memory_bytes is None:
-            memory_bytes = default_memory_bytes(memory_path, c["local_path"])
+            memory_bytes = default_memory_bytes(memory_path, c["local_path"], value_bytes)
         return LocalStore(
             c["local_path"],
             c["local_capacity_bytes"],
@@ -165,6 +179,8 @@ def make_store(config: StoreConfig | Mapping[str, Any] | None = None) -> KVStore
             memory_bytes=memory_bytes,
             memory_path=memory_path,
             segment_bytes=c["local_segment_bytes"],
+            value_bytes=value_bytes,
+            memory_keep_bytes=c["local_memory_keep_bytes"],
         )
     from ucm_patch.hooks.stores.mooncake import MooncakeStore
 
@@ -191,6 +207,7 @@ __all__ = [
     "StoreConfig",
     "StoreConfigError",
     "StoreError",
+    "ValueSizeError",
     "default_local_path",
     "make_store",
     "parse_size",

@@ -34,9 +34,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from ucm_patch.hooks.settings import SettingError
+
 
 class StoreError(RuntimeError):
     """A store operation failed (unreachable server, I/O error, read-only directory)."""
+
+
+class StoreConfigError(SettingError):
+    """A store config key is unknown or its value is invalid; the message names the key."""
+
+
+class ValueSizeError(StoreConfigError):
+    """The store as configured cannot hold the values it is opened for (``value_bytes`` of
+    :func:`~ucm_patch.hooks.stores.make_store`): refused at start; the message names the
+    keys to change and the value size."""
 
 
 class KVStore(ABC):
@@ -86,6 +98,11 @@ class KVStore(ABC):
             buf[:] = value
             out.append(True)
         return out
+
+    def max_value_bytes(self) -> int | None:
+        """The largest value a put can store; None where the store sets no such limit
+        (the default: a Mooncake store's room is the cluster's, known only to its master)."""
+        return None
 
     def register_host_memory(self, addr: int, size: int) -> bool:
         """Offer ``size`` bytes at ``addr``, a host buffer the caller keeps alive until

@@ -30,7 +30,13 @@ Guarantees (each proven in tests/test_store_local*.py):
   its pid is gone, and only the unpublished tail of that segment is lost.
 * Owner only: directories 0700, files 0600 (``dir_mode`` / ``file_mode``); segment files
   are opened with ``O_NOFOLLOW`` through the tier's directory descriptor and a symlink in
-  place of the index's files is removed, never followed.
+  place of the index's files is removed, never followed. No one else's directory or
+  file (:mod:`.ownership`): one made beforehand by another user, or writable by others
+  beyond those modes, is refused at start with a :class:`StoreError` naming its path,
+  owner and mode; files are created with ``O_EXCL`` and checked with ``fstat``.
+* No RAM left behind (:mod:`.memory_tiers`): the last process to close the store spills
+  the memory tier to disk and removes it (or keeps ``memory_keep_bytes`` of it); a tier
+  whose ``local_path`` is gone is removed by the next store that opens on the host.
 * A full file system (ENOSPC) empties least recently used segments and retries once;
   then :class:`StoreError`. The default disk capacity (none configured) is 10 GiB capped
   at start by the free space plus the bytes already stored.
@@ -45,6 +51,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
@@ -52,7 +59,8 @@ from typing import NamedTuple
 from xxhash import xxh3_128_digest
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
-from ucm_patch.hooks.stores.base import KVStore, StoreError
+from ucm_patch.hooks.stores import memory_tiers
+from ucm_patch.hooks.stores.base import KVStore, StoreError, ValueSizeError
 from ucm_patch.hooks.stores.framing import (
     HEADER_SIZE,
     CorruptValue,
@@ -63,13 +71,23 @@ from ucm_patch.hooks.stores.framing import (
 )
 from ucm_patch.hooks.stores.segment_files import SegmentLost
 from ucm_patch.hooks.stores.segment_index import Loc
-from ucm_patch.hooks.stores.tier import RECORD_HEADER, Record, Tier
+from ucm_patch.hooks.stores.tier import (
+    MIN_SEGMENTS,
+    RECORD_HEADER,
+    Record,
+    Tier,
+    TierTooSmall,
+    segment_for,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 10 << 30
 DEFAULT_SEGMENT = 64 << 20
 DEFAULT_MEMORY = 2 << 30
+#: Longest the last process of a memory tier spends at close writing the values the tier
+#: would lose to the disk tier, bounded so a stopping server stops; later ones are dropped.
+EXIT_SPILL_S = 30.0
 
 
 def digest_of(kb: bytes) -> bytes:
@@ -86,14 +104,14 @@ def default_memory_path(disk_path: str | os.PathLike[str]) -> str:
     directory, under ``$XDG_RUNTIME_DIR/ucm_patch`` (a per-user tmpfs) when set, else
     under ``/dev/shm/ucm_patch-<uid>``."""
     name = hashlib.blake2b(os.fsencode(os.path.abspath(disk_path)), digest_size=8).hexdigest()
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = os.path.join(runtime, "ucm_patch") if runtime else f"/dev/shm/ucm_patch-{os.getuid()}"
-    return os.path.join(base, name)
+    return os.path.join(memory_tiers.tier_base(), name)
 
 
-def default_memory_bytes(memory_path: str | None, disk_path: str) -> int:
+def default_memory_bytes(memory_path: str | None, disk_path: str, value_bytes: int = 0) -> int:
     """An eighth of the tmpfs the memory tier would live on, at most 2 GiB; 0 (no memory
-    tier) when that file system cannot be found."""
+    tier) when that file system cannot be found, or when that is under
+    :data:`~ucm_patch.hooks.stores.tier.MIN_SEGMENTS` segments holding a value of
+    ``value_bytes`` (said with a warning: nobody asked for that size)."""
     where = memory_path or default_memory_path(disk_path)
     while where and not os.path.isdir(where):
         where = os.path.dirname(where)
@@ -101,7 +119,17 @@ def default_memory_bytes(memory_path: str | None, disk_path: str) -> int:
         vfs = os.statvfs(where or "/dev/shm")
     except OSError:
         return 0
-    return min(DEFAULT_MEMORY, vfs.f_blocks * vfs.f_frsize // 8)
+    size = min(DEFAULT_MEMORY, vfs.f_blocks * vfs.f_frsize // 8)
+    if size and size < MIN_SEGMENTS * segment_for(value_bytes):
+        log.warning(
+            "local store %s: no memory tier: its default size (%d bytes, an eighth of the "
+            "tmpfs %s) is under %d segments holding a value of %d bytes; set "
+            "local_memory_bytes to at least %d to have one",
+            disk_path, size, where, MIN_SEGMENTS, value_bytes,
+            MIN_SEGMENTS * segment_for(value_bytes),
+        )  # fmt: skip
+        return 0
+    return size
 
 
 @contextlib.contextmanager
@@ -162,7 +190,16 @@ class LocalStore(KVStore):
         memory_bytes: int = 0,
         memory_path: str | os.PathLike[str] | None = None,
         segment_bytes: int = DEFAULT_SEGMENT,
+        value_bytes: int = 0,
+        memory_keep_bytes: int = 0,
     ) -> None:
+        """``value_bytes``: the largest value the caller will put (the connector's, from
+        its layout; 0: not known). Both tiers get segments that hold one, larger than
+        ``segment_bytes`` when need be; a tier whose capacity is under
+        :data:`~ucm_patch.hooks.stores.tier.MIN_SEGMENTS` of them, or whose directory was
+        created with smaller segments, is refused here (:class:`ValueSizeError` naming
+        the keys), except a memory tier of an older layout, which is left out with a
+        warning (values then go to disk)."""
         super().__init__()
         for counter in ("disk_full", "spilled", "memory_hits", "disk_hits"):
             self.stats[counter] = 0
@@ -178,22 +215,98 @@ class LocalStore(KVStore):
             self._secret = load_store_key()
         except ValueError as exc:
             raise StoreError(f"local store: {exc}") from exc
+        need = segment_for(value_bytes)
+        if value_bytes and 0 < memory_bytes < MIN_SEGMENTS * need:  # before anything is made
+            too_small = TierTooSmall("memory", "", memory_bytes, value_bytes, need, None)
+            raise self._too_small(too_small, capacity_bytes, memory_bytes, segment_bytes)
         capacity = capacity_bytes or self._default_capacity()
-        self.disk = Tier(
-            "disk", self.path, capacity, segment_bytes, mapped=False, fsync=fsync,
-            dir_mode=dir_mode, file_mode=file_mode, secret=self._secret,
-        )  # fmt: skip
+        try:
+            self.disk = Tier(
+                "disk", self.path, capacity, segment_bytes, mapped=False, fsync=fsync,
+                dir_mode=dir_mode, file_mode=file_mode, secret=self._secret,
+                value_bytes=value_bytes,
+            )  # fmt: skip
+        except TierTooSmall as exc:
+            raise self._too_small(exc, capacity_bytes, memory_bytes, segment_bytes) from None
         self.memory: Tier | None = None
+        # what the memory tier keeps once no process uses it (close, memory_tiers)
+        self.memory_keep_bytes = max(0, memory_keep_bytes)
+        self._memory_use: memory_tiers.TierUse | None = None
+        memory_tiers.sweep()  # the host's memory tiers whose local_path is gone
         if memory_bytes:
             where = os.fspath(memory_path) if memory_path else default_memory_path(self.path)
-            self.memory = Tier(
-                "memory", where, memory_bytes, segment_bytes, mapped=True, dir_mode=dir_mode,
-                file_mode=file_mode, spill=_weak_spill(self), secret=self._secret,
-            )  # fmt: skip
+            in_base = memory_path is None
+            self._memory_use = self._use_memory_tier(where, in_base, dir_mode, file_mode)
+            try:
+                self.memory = Tier(
+                    "memory", where, memory_bytes, segment_bytes, mapped=True,
+                    dir_mode=dir_mode, file_mode=file_mode, spill=_weak_spill(self),
+                    secret=self._secret, value_bytes=value_bytes,
+                )  # fmt: skip
+            except TierTooSmall as exc:  # an older layout (its capacity was checked above)
+                log.warning(
+                    "local store %s: its memory tier %s has segments of %d bytes (fixed when "
+                    "it was created), too small for values of %d bytes: running without it "
+                    "(values go to disk); remove that directory while no process uses it to "
+                    "have it made again",
+                    self.path, where, exc.layout, value_bytes,
+                )  # fmt: skip
+            except BaseException:  # refused (ownership) or failed: nothing stays open
+                self._memory_use.finish()
+                self.disk.close()
+                raise
+        if self.memory is None and self._memory_use is not None:
+            self._memory_use.finish()
+            self._memory_use = None
         self.tiers: tuple[Tier, ...] = (self.memory, self.disk) if self.memory else (self.disk,)
         self.capacity_bytes = self.disk.capacity_bytes
         self.fsync = fsync
         self._sync_counters()
+
+    def _use_memory_tier(
+        self, where: str, in_base: bool, dir_mode: int, file_mode: int
+    ) -> memory_tiers.TierUse:
+        """Start using the memory tier at ``where`` (:func:`memory_tiers.attach`: this
+        process counts among its users until :meth:`close`); the disk tier is closed when
+        that is refused."""
+        try:
+            return memory_tiers.attach(
+                where, self.path, self.disk.dir_fd, dir_mode, file_mode, in_base=in_base
+            )
+        except BaseException:
+            self.disk.close()
+            raise
+
+    def _too_small(
+        self, exc: TierTooSmall, capacity_bytes: int | None, memory_bytes: int, segment_bytes: int
+    ) -> ValueSizeError:
+        """The start-time refusal of a tier that cannot hold the values, with the keys."""
+        v, need = exc.value_bytes, exc.need
+        if exc.layout is not None:  # only the disk tier's directory refuses like this
+            return ValueSizeError(
+                f"local store {self.path}: values of {v} bytes do not fit its segments of "
+                f"{exc.layout} bytes (local_segment_bytes, or a quarter of "
+                "local_capacity_bytes when smaller, fixed when the directory was created): "
+                "set local_path to a new directory, or remove this one"
+            )
+        key = "local_memory_bytes" if exc.tier == "memory" else "local_capacity_bytes"
+        have = f"{key} {exc.capacity}"
+        if exc.tier == "disk" and not capacity_bytes:
+            have += " (the default, capped by the free space)"
+        fix = f"set {key} to at least {MIN_SEGMENTS * need}"
+        if exc.tier == "memory":
+            fix += ", or to 0 (no memory tier)"
+        return ValueSizeError(
+            f"local store {self.path}: {have} cannot hold values of {v} bytes, the largest "
+            f"to be stored: it needs {MIN_SEGMENTS} segments of at least {need} bytes (a "
+            f"segment is local_segment_bytes {segment_bytes}, or a quarter of the capacity "
+            "when smaller, and holds at least one value; local_memory_bytes "
+            f"{memory_bytes}, 0: no memory tier): {fix}"
+        )
+
+    def max_value_bytes(self) -> int | None:
+        """The largest value a put can store: a segment less its record header."""
+        return self.disk.segment_bytes - RECORD_HEADER
 
     def _sync_counters(self) -> None:
         """The tiers count what they evict, spill and relieve; stats shows their sums."""
@@ -260,11 +373,38 @@ class LocalStore(KVStore):
         finally:
             self._sync_counters()
         written = sum([len(r[2]) for r, ok in zip(records, stored, strict=True) if ok])
+        if not all(stored):
+            self._say_skipped(records, stored)
         if not unique:
             at = {r[0]: ok for r, ok in zip(records, stored, strict=True)}
             stored = [at[xxh3_128_digest(key_bytes(k))] for k, _v in items]
         self._bump(puts=len(items), skipped_full=stored.count(False), bytes_written=written)
         return stored
+
+    def _say_skipped(self, records: list[Record], stored: list[bool]) -> None:
+        """Why values were not stored, one WARNING per cause per 30 s (with the count of
+        the lines held back): larger than a segment, or every segment being written by
+        live processes. Only when a put skipped something: never on the normal path."""
+        limit = self.disk.segment_bytes - RECORD_HEADER
+        big = [
+            len(r[2]) for r, ok in zip(records, stored, strict=True) if not ok and len(r[2]) > limit
+        ]
+        busy = stored.count(False) - len(big)
+        if big:
+            self._warn.warning(
+                "value larger than a segment",
+                "local store %s: %d value(s) of up to %d bytes not stored: larger than a "
+                "segment holds (%d bytes: local_segment_bytes, or a quarter of "
+                "local_capacity_bytes when smaller, fixed when the directory was created)",
+                self.path, len(big), max(big), limit,
+            )  # fmt: skip
+        if busy:
+            self._warn.warning(
+                "every segment busy",
+                "local store %s: %d value(s) not stored: all %d segments of the disk tier are "
+                "being written by live processes (raise local_capacity_bytes for more)",
+                self.path, busy, self.disk.count,
+            )  # fmt: skip
 
     def _put(self, records: list[Record]) -> list[bool]:
         """Write into the first tier. A key already there is written again and then left
@@ -442,14 +582,53 @@ class LocalStore(KVStore):
         """Values in both tiers (a scan: for tests and tools, not hot paths)."""
         return sum(t.stats()[0] for t in self.tiers)
 
-    def close(self) -> None:
-        """Refuse further operations and release handles. Values stay."""
+    def close(self, spill_s: float | None = None) -> None:
+        """Refuse further operations and release handles. Values stay: in the disk tier,
+        and in the memory tier while another process uses it.
+
+        The last process using the memory tier (:mod:`.memory_tiers`) shrinks it to
+        ``memory_keep_bytes`` of its most recently used segments: the values of the
+        others are written to the disk tier first (for at most ``spill_s`` seconds,
+        :data:`EXIT_SPILL_S` by default: the connector closes its stores at exit right
+        after the dump scheduler's exit flush), their files removed; with 0 (the default)
+        the tier itself is removed, so no RAM stays behind in the tmpfs."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        use, memory = self._memory_use, self.memory
+        last = use is not None and memory is not None and use.is_last()
+        if last:
+            assert memory is not None
+            self._settle(memory, EXIT_SPILL_S if spill_s is None else spill_s)
         for tier in self.tiers:
             tier.close()
+        if use is not None:
+            use.finish(remove=last and self.memory_keep_bytes == 0)
+            self._memory_use = None
+
+    def _settle(self, memory: Tier, spill_s: float) -> None:
+        """The last user's close: the memory tier trimmed to ``memory_keep_bytes``, its
+        other values spilled to disk within ``spill_s`` (:meth:`Tier.trim`)."""
+        before = memory.spilled
+        try:
+            lost = memory.trim(self.memory_keep_bytes, time.monotonic() + spill_s)
+        except (OSError, StoreError) as exc:
+            log.warning("local store %s: memory tier %s not spilled at close: %s",
+                        self.path, memory.path, exc)  # fmt: skip
+            return
+        finally:
+            self._sync_counters()
+        if lost:
+            log.warning(
+                "local store %s: %d values of the memory tier %s dropped at close: not "
+                "spilled to disk within %.0f s", self.path, lost, memory.path, spill_s,
+            )  # fmt: skip
+        log.info(
+            "local store %s: last user of the memory tier %s: %d values spilled to disk, "
+            "%s", self.path, memory.path, memory.spilled - before,
+            f"{self.memory_keep_bytes} bytes kept" if self.memory_keep_bytes else "removed",
+        )  # fmt: skip
 
 
 __all__ = [

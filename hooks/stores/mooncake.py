@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import KVStore, StoreError
 from ucm_patch.hooks.stores.framing import (
     HEADER_SIZE,
@@ -174,6 +175,7 @@ class MooncakeStore(KVStore):
             )
         self.master = master
         self.quarantine_s = quarantine_s
+        self._warn = RateLimitedLog(log, 30.0)  # skipped puts: one line per cause per 30 s
         self._stats_lock = threading.Lock()
         self._buffers = threading.Condition()  # guards _free, _quarantine, _busy, _closed
         self._free: list[_Buffer] = []
@@ -365,9 +367,12 @@ class MooncakeStore(KVStore):
             raise
         failed = [(unique[i][0], rc) for i, rc in enumerate(codes) if rc < 0 and not _put_ok(rc)]
         stored = [rc == OK or rc == OBJECT_ALREADY_EXISTS for rc in codes]
+        full = codes.count(NO_AVAILABLE_HANDLE)
+        if full:
+            self._say_full(full, unique, codes)
         self._count(
             puts=len(items),
-            skipped_full=sum(rc == NO_AVAILABLE_HANDLE for rc in codes),
+            skipped_full=full,
             bytes_written=sum(len(u[2]) for u, rc in zip(unique, codes, strict=True) if rc == OK),
             errors=1 if failed else 0,
         )
@@ -378,6 +383,23 @@ class MooncakeStore(KVStore):
                 f"{key!r}: {code_name(rc)}"
             )
         return [stored[i] for i in slot_of]
+
+    def _say_full(
+        self, full: int, unique: list[tuple[str, bytes, memoryview]], codes: list[int]
+    ) -> None:
+        """Values the cluster had no room for (NO_AVAILABLE_HANDLE): one WARNING per 30 s.
+        Mooncake sets no per-value limit of its own here (a value larger than a staging
+        buffer gets a buffer of its own); its room is what the clients contribute."""
+        largest = max(
+            [len(u[2]) for u, rc in zip(unique, codes, strict=True) if rc == NO_AVAILABLE_HANDLE]
+        )
+        self._warn.warning(
+            "no room",
+            "mooncake store (master %s): %d value(s) of up to %d bytes not stored: no room "
+            "in the cluster (NO_AVAILABLE_HANDLE; mooncake_global_segment_bytes is what this "
+            "client contributes)",
+            self.master, full, largest,
+        )  # fmt: skip
 
     def _put_unique(self, unique: list[tuple[str, bytes, memoryview]], codes: list[int]) -> None:
         direct: list[tuple[int, int]] = []  # (index, payload address) in registered memory

@@ -48,6 +48,7 @@ from ucm_patch.hooks.stores.framing import (
     verify,
 )
 from ucm_patch.hooks.stores.memcopy import copy_bytes
+from ucm_patch.hooks.stores.ownership import ForeignFile, check_entries, open_dir, open_file
 from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments, segment_name
 from ucm_patch.hooks.stores.segment_index import LOC, Loc, SegmentIndex, SegRow, pid_alive
 from ucm_patch.hooks.stores.sidecar import sidecar
@@ -126,6 +127,29 @@ def record_bytes(payload: int) -> int:
     return (RECORD_HEADER + payload + 63) & ~63
 
 
+def segment_for(value_bytes: int) -> int:
+    """The smallest segment (whole 4 KiB pages) that holds one value of ``value_bytes``."""
+    return max(4096, (record_bytes(value_bytes) + 4095) & ~4095)
+
+
+class TierTooSmall(StoreError):
+    """A tier cannot hold the values it was opened for (``value_bytes``): its capacity is
+    under :data:`MIN_SEGMENTS` segments that hold one, or (``layout`` set) its directory
+    was created with segments of ``layout`` bytes, smaller than ``need``. The local store
+    words it with the config keys to change (:class:`~ucm_patch.hooks.stores.local.LocalStore`)."""
+
+    def __init__(
+        self, tier: str, path: str, capacity: int, value_bytes: int, need: int, layout: int | None
+    ) -> None:
+        self.tier, self.path, self.capacity = tier, path, capacity
+        self.value_bytes, self.need, self.layout = value_bytes, need, layout
+        if layout is None:
+            why = f"capacity {capacity} is under {MIN_SEGMENTS} segments of {need} bytes"
+        else:
+            why = f"its segments are {layout} bytes, fixed when the directory was created"
+        super().__init__(f"{tier} tier {path}: cannot hold values of {value_bytes} bytes: {why}")
+
+
 @dataclass
 class Lease:
     """A segment this process appends to: nobody else writes it while we hold it."""
@@ -167,6 +191,7 @@ class Tier:
         file_mode: int = 0o600,
         spill: Spill | None = None,
         secret: bytes | None = None,
+        value_bytes: int = 0,
     ) -> None:
         self.name = name
         self.secret = secret  # the store key of keyed frames (framing.load_store_key)
@@ -179,21 +204,36 @@ class Tier:
         self._warn = RateLimitedLog(log, 30.0)
         self._lock = threading.Lock()  # guards the counters above
         self._last: Lease | None = None  # where the last put left off: tried first
+        # Segments hold the largest value the caller will put (``value_bytes``, 0: not
+        # known): refused before anything is created when fewer than MIN_SEGMENTS fit.
+        need = segment_for(value_bytes)
+        if value_bytes and capacity_bytes < MIN_SEGMENTS * need:
+            raise TierTooSmall(name, self.path, capacity_bytes, value_bytes, need, None)
+        # made here, or this user's and writable by nobody else (ownership): refused at
+        # start like the segments and lru already there that are not the store's to use
+        self._dir = open_dir(self.path, dir_mode, f"{name} tier", follow=True)[0]
         try:
-            if not os.path.isdir(self.path):
-                os.makedirs(self.path, mode=dir_mode, exist_ok=True)
-                if dir_mode & 0o077:
-                    os.chmod(self.path, dir_mode)  # the umask may have cut group bits
-            self._dir = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise StoreError(f"{name} tier: cannot create directory {self.path!r}: {exc}") from exc
+            ours = [n for n in os.listdir(self._dir) if n.startswith("seg-") or n == "lru"]
+            check_entries(self._dir, self.path, ours, file_mode, f"{name} tier")
+        except BaseException:
+            os.close(self._dir)
+            raise
         # index room: about 100 bytes per value of 64 KiB, twice over for LMDB's
         # copy-on-write pages and stale entries
         index_bytes = (capacity_bytes // 64 + (1 << 20) - 1) & ~((1 << 20) - 1)
         self.index = SegmentIndex(self.path, dir_mode, file_mode, fsync, index_bytes)
-        wanted = max(4096, min(segment_bytes, capacity_bytes // MIN_SEGMENTS) & ~4095)
+        wanted = max(need, min(segment_bytes, capacity_bytes // MIN_SEGMENTS) & ~4095)
         count = max(1, min(MAX_SEGMENTS, capacity_bytes // wanted))
         self.segment_bytes, self.count, previous = self.index.layout(wanted, count)
+        if self.segment_bytes < need:  # a directory made for smaller values: refused
+            self.index.close()
+            os.close(self._dir)
+            raise TierTooSmall(
+                name, self.path, capacity_bytes, value_bytes, need, self.segment_bytes
+            )
+        if previous is None and wanted > segment_bytes:
+            log.info("%s tier %s: segments of %d bytes (not %d), to hold values of %d bytes",
+                     name, self.path, wanted, segment_bytes, value_bytes)  # fmt: skip
         if previous is not None and previous[1] != count:
             log.warning(
                 "%s tier %s: capacity was %d segments of %d bytes, now %d (this process's "
@@ -255,10 +295,12 @@ class Tier:
     def _open_ticks(self, file_mode: int) -> memoryview:
         """The shared last-use stamps, one u64 per segment (``lru``): written without a
         lock (an 8-byte aligned store), read when a victim is picked."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
         size = MAX_SEGMENTS * _TICK.size
-        try:
-            fd = os.open("lru", flags, file_mode, dir_fd=self._dir)
+        where = os.path.join(self.path, "lru")
+        try:  # created exclusively, checked once open (ownership)
+            fd = open_file("lru", self._dir, where, file_mode, create=True)[0]
+        except ForeignFile as exc:
+            raise StoreError(f"{self.name} tier: refused {where}: {exc.strerror}") from exc
         except OSError as exc:
             if not self.index.read_only:
                 raise StoreError(f"{self.name} tier: cannot open {self.path}/lru: {exc}") from exc
@@ -601,11 +643,59 @@ class Tier:
         """(values, bytes in current segments)."""
         return self.index.count()
 
-    def close(self) -> None:
+    @property
+    def dir_fd(self) -> int:
+        """The tier directory's descriptor (open until :meth:`close`)."""
+        return self._dir
+
+    def stop_warming(self) -> None:
+        """Stop the warmer (at most one segment's allocation away) and wait for it."""
         warmer = self._warmer
-        if warmer is not None:  # at most one segment's allocation away from stopping
+        if warmer is not None:
             self._stop_warming.set()
             warmer.join()
+
+    def trim(self, keep_bytes: int, deadline: float) -> int:
+        """Shrink the tier to at most ``keep_bytes`` of segment files, for the time no
+        process uses it (the last one's close, :mod:`.memory_tiers`; the caller holds the
+        tier alone). The most recently used segments holding values stay while they fit;
+        the values of every other one go to ``spill``, most recently used first, until
+        ``deadline`` (``time.monotonic``), and its file is removed, as is every segment
+        file holding nothing. Values dropped without a spill (past the deadline): returned,
+        and counted in ``evictions``."""
+        self.stop_warming()
+        rows = self.index.segments()
+        used = sorted(
+            ((self._ticks[seg], seg) for seg, row in rows.items() if row.end),
+            reverse=True,
+        )
+        keep: set[int] = set()
+        for _tick, seg in used[: max(0, keep_bytes) // self.segment_bytes]:
+            keep.add(seg)
+        me = os.getpid()
+        lost = 0
+        for _tick, seg in used:
+            if seg in keep:
+                continue
+            row = rows[seg]
+            if time.monotonic() < deadline and self._empty(seg, row, remove=True) is not None:
+                continue
+            current = self.index.segments().get(seg)
+            if current is None or not current.end:
+                continue
+            dropped = self.index.empty(seg, current, me)
+            if dropped is not None:
+                lost += dropped[1]
+                self.index.release(seg, dropped[0], me)
+        with self._lock:
+            self.evictions += lost
+        for name in os.listdir(self._dir):
+            if name.startswith("seg-") and name[4:].isdigit() and int(name[4:]) not in keep:
+                self.files.remove(int(name[4:]))
+        return lost
+
+    def close(self) -> None:
+        self.stop_warming()
         self.files.close()
         self.index.close()
         self._ticks.release()
@@ -616,4 +706,13 @@ class Tier:
         os.close(self._dir)
 
 
-__all__ = ["FRAME_AT", "RECORD_HEADER", "Lease", "Record", "Tier", "record_bytes"]
+__all__ = [
+    "FRAME_AT",
+    "RECORD_HEADER",
+    "Lease",
+    "Record",
+    "Tier",
+    "TierTooSmall",
+    "record_bytes",
+    "segment_for",
+]

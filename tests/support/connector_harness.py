@@ -311,7 +311,7 @@ def local_store(monkeypatch: Any, path: Path) -> Iterator[ControlledLocalStore]:
     from ucm_patch.hooks.dump import reset_scheduler
 
     store = ControlledLocalStore(path)
-    monkeypatch.setattr(connector, "make_store", lambda _config: store)
+    monkeypatch.setattr(connector, "make_store", lambda _config, **_kw: store)
     connector._stores.clear()
     reset_scheduler()
     connector_stats.reset()

@@ -40,7 +40,7 @@ from ucm_patch.connector import vllm_support
 from ucm_patch.connector.config import ConnectorConfig, parse_connector_config
 from ucm_patch.connector.layout import KVLayout
 from ucm_patch.connector.meta import UCMConnectorMetadata
-from ucm_patch.hooks.stores import make_store
+from ucm_patch.hooks.stores import ValueSizeError, make_store
 from ucm_patch.hooks.stores.base import KVStore
 
 try:  # vLLM >= 0.12
@@ -48,9 +48,9 @@ try:  # vLLM >= 0.12
 except ImportError:  # pragma: no cover - vLLM <= 0.11: no hybrid KV-cache manager support
     SupportsHMA = object  # type: ignore[assignment,misc]
 
-try:  # vLLM >= 0.32
+try:  # vLLM >= 0.30: get_transfer_results, failed_recving
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError:  # pragma: no cover - older vLLM only has get_finished
+except ImportError:  # pragma: no cover - vLLM <= 0.29 only has get_finished
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
 # Under vLLM's logger: its handler, level and format (``INFO mm-dd hh:mm:ss [file:line]``).
@@ -68,16 +68,33 @@ _stores_lock = threading.Lock()
 _register_lock = threading.Lock()
 
 
-def shared_store(config: ConnectorConfig) -> KVStore:
-    """This process's store for ``config`` (created on first use, closed at exit)."""
+def shared_store(config: ConnectorConfig, value_bytes: int = 0) -> KVStore:
+    """This process's store for ``config`` (created on first use, closed at exit), made to
+    hold values of ``value_bytes`` (the layout's largest): a configuration that cannot is
+    refused here, at start, with a :class:`ValueSizeError` naming the keys and the size,
+    never found out put by put (docs/CONNECTOR.md, "Values that do not fit")."""
     key = json.dumps([config.store_kind, dict(config.store)], sort_keys=True, default=str)
+    hint = (
+        f"; the connector's values are chunk_tokens ({config.chunk_tokens}) of whole blocks "
+        "of one row's pages, or one state: a smaller chunk_tokens makes them smaller"
+    )
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
-            store = _stores[key] = make_store(config.store_config)
+            try:
+                store = make_store(config.store_config, value_bytes=value_bytes)
+            except ValueSizeError as exc:
+                raise ValueSizeError(f"{exc}{hint}") from None
+            _stores[key] = store
             if len(_stores) == 1:
                 atexit.register(_close_stores)
-        return store
+    limit = store.max_value_bytes()
+    if limit is not None and value_bytes > limit:  # opened in this process for smaller ones
+        raise ValueSizeError(
+            f"{config.store_kind} store {dict(config.store)}: values of {value_bytes} bytes "
+            f"do not fit, it was opened in this process for values up to {limit} bytes{hint}"
+        )
+    return store
 
 
 def _close_stores() -> None:
@@ -109,7 +126,7 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
         kv_role = ktc.kv_role or "kv_both"
         can_dump = kv_role in ("kv_both", "kv_producer")
         can_load = kv_role in ("kv_both", "kv_consumer")
-        self.store = shared_store(self.config)
+        self.store = shared_store(self.config, self.layout.max_value_bytes)
         self._sched_side: Any = None
         self._worker_side: Any = None
         if role == KVConnectorRole.SCHEDULER:

@@ -142,6 +142,16 @@ class KVLayout:
             max(self.group_by_index[gi].page_bytes for gi in gis) if gis else 0
             for gis in self.groups_of_row
         )
+        #: Bytes of the largest value the connector stores: a chunk of a row's pages, or a
+        #: state (a row's page bounds its view's). The store is sized for it at start.
+        self.max_value_bytes: int = max(
+            (
+                self.chunk_blocks[gi] * self.row_page_bytes[r]
+                for gi, rows_of in self.rows_of_group.items()
+                for r in rows_of
+            ),
+            default=0,
+        )
         ident = dict(identity)
         ident["groups"] = [
             [g.index, g.kind, g.spec, g.block_size, g.page_bytes, list(g.layers)] for g in groups
