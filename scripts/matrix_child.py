@@ -9,10 +9,23 @@ Usage (the repository root on ``PYTHONPATH``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0
 * ``e2e-dump MODEL STORE OUT``: UCMPatchConnector on a local store in ``STORE``: prompt 1
   (a prefix of two and a half blocks, derived from the block size vLLM chose) is computed
   and dumped; prompt 2 (same prefix, another tail) is computed under another
-  ``cache_salt`` (a miss everywhere): the reference output.
+  ``cache_salt`` (a miss everywhere): the reference output. Then the exact oracle of the
+  hit, under a third salt: vLLM's own prefix cache seeded with the prefix's whole hit
+  units, computed as prompt 1 computed them (``oracle_seed`` in
+  tests/support/connector_child.py), and prompt 2 on it: the prefill split where the hit
+  splits it, on the same KV bits, so a hit's logprobs must equal it bit for bit.
 * ``e2e-load MODEL STORE OUT``: a fresh process on the same store runs prompt 2: it loads
   the prefix's full blocks from the store.
 * ``plain MODEL OUT``: prompt 1 without a connector (does this vLLM run the model at all).
+* ``e2e-load-fail MODEL STORE HOW POLICY OUT``: like ``e2e-load``, but the load cannot
+  succeed: ``HOW`` is ``stored`` (the values were damaged in place between the dump and
+  this process, :func:`damage_values`) or ``raising`` (every read of the store raises
+  ``RuntimeError``); ``POLICY`` is vLLM's ``kv_load_failure_policy`` (``recompute``, as
+  docs/CONNECTOR.md configures it, or ``fail``). Then prompt 3 (same prefix, another
+  tail): the engine serves on. Writes both outputs (with their finish reasons), the
+  connector's counters over prompt 2 and every ERROR line logged meanwhile.
+* ``reference MODEL OUT``: prompts 2 then 3 without a connector, in a fresh process: what
+  ``e2e-load-fail`` must print.
 
 Why a separate script and a ``__main__`` guard: some vLLM releases (0.22 on CPU) start a
 worker process even in single-process mode, and a spawned worker re-imports the main
@@ -24,8 +37,10 @@ public helpers).
 from __future__ import annotations
 
 import json
+import logging
 import random
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +100,7 @@ def _generate(llm: Any, ids: list[int], salt: str | None = None) -> dict[str, An
         "tokens": list(comp.token_ids),
         "logprobs": [comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)],
         "num_cached_tokens": out.num_cached_tokens,
+        "finish_reason": None if comp.finish_reason is None else str(comp.finish_reason),
     }
 
 
@@ -102,7 +118,9 @@ def run_gdn(model: str) -> dict[str, Any]:
     return {"gdn_layers": gdn_layers(model), "report": ucm_patch.report()}
 
 
-def _connector_config(store: str) -> Any:
+def _connector_config(store: str, **more: Any) -> Any:
+    """``more``: further ``KVTransferConfig`` fields (``e2e-load-fail`` passes
+    ``kv_load_failure_policy``, which the releases it runs on have)."""
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
@@ -110,6 +128,7 @@ def _connector_config(store: str) -> Any:
         kv_connector_module_path="ucm_patch.connector",
         kv_role="kv_both",
         kv_connector_extra_config={"store": "local", "local_path": store},
+        **more,
     )
 
 
@@ -118,6 +137,11 @@ def _prompts(llm: Any) -> tuple[list[int], list[int], list[int]]:
     block = llm.llm_engine.vllm_config.cache_config.block_size
     prefix = token_ids(1, 2 * block + block // 2)
     return prefix, [*prefix, 5, 6, 7], [*prefix, 8, 9, 10, 11]
+
+
+def _third(prefix: list[int]) -> list[int]:
+    """Prompt 3: the prefix and a tail of its own (after prompt 2, in the same engine)."""
+    return [*prefix, 12, 13]
 
 
 def _hit_unit(llm: Any) -> int:
@@ -143,13 +167,22 @@ def run_e2e_dump(model: str, store: str) -> dict[str, Any]:
     _wait_for_dumps()
     reference = _generate(llm, p2, salt="recompute")
     _wait_for_dumps()
-    return {
+    out = {
         "prefix_len": len(prefix),
         "prompt_len": len(p2),
         "first": first,
         "reference": reference,
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
     }
+    unit = _hit_unit(llm)
+    hit = len(prefix) // unit * unit  # what the load must hit
+    if hit:
+        from tests.support.connector_child import oracle_seed
+
+        out["oracle_seed"] = _generate(llm, oracle_seed(p1, hit), salt="oracle")
+        out["oracle"] = _generate(llm, p2, salt="oracle")
+        _wait_for_dumps()
+    return out
 
 
 def run_e2e_load(model: str, store: str) -> dict[str, Any]:
@@ -160,6 +193,92 @@ def run_e2e_load(model: str, store: str) -> dict[str, Any]:
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
         "unit": _hit_unit(llm),
     }
+
+
+def damage_values(store: str, skip: Collection[str] = ()) -> list[str]:
+    """Flip the last payload byte of every value in the local store ``store`` (both
+    tiers, in their segment files): its checksum no longer matches, so every read of it
+    fails while every lookup still finds it. Returns where (``file@offset``) it damaged;
+    places in ``skip`` (damaged before, still stored) are left as they are, since a
+    second flip would repair them."""
+    import os
+
+    from ucm_patch.hooks.stores import make_store
+
+    opened = make_store({"local_path": store})
+    try:
+        placements = opened.placements()
+    finally:
+        opened.close()
+    done: list[str] = []
+    for at in placements:
+        where = f"{at.file}@{at.offset}"
+        if where in skip:
+            continue
+        with open(at.file, "r+b") as f:
+            f.seek(at.offset + at.size - 1)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        done.append(where)
+    return done
+
+
+def _raise_on_read() -> None:
+    """From now on every read of a local store raises (not a ``StoreError``: a store, or
+    a bug, that breaks the contract); its lookups still find what it holds."""
+    from ucm_patch.hooks.stores.local import LocalStore
+
+    def exploding(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("store exploded")
+
+    LocalStore.get_many = exploding  # type: ignore[method-assign]
+    LocalStore.get_many_into = exploding  # type: ignore[method-assign]  (what loads call)
+
+
+class _ErrorLines(logging.Handler):
+    """``logger: message`` of every ERROR record (vLLM's and ucm_patch's loggers)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.name}: {record.getMessage()}")
+
+
+def run_e2e_load_fail(model: str, store: str, how: str, policy: str) -> dict[str, Any]:
+    from ucm_patch import connector
+
+    if how not in ("stored", "raising"):
+        raise SystemExit(f"unknown failure {how!r} (stored, raising)")
+    llm = _llm(model, _connector_config(store, kv_load_failure_policy=policy))
+    errors = _ErrorLines()
+    # the connector logs under vLLM's logger ("vllm.ucm_patch..."), the rest under ucm_patch
+    for name in ("vllm", "ucm_patch"):
+        logging.getLogger(name).addHandler(errors)
+    if how == "raising":
+        _raise_on_read()
+    prefix, _p1, p2 = _prompts(llm)
+    before = connector.stats()
+    hit = _generate(llm, p2)
+    after = connector.stats()
+    return {
+        "hit": hit,
+        "again": _generate(llm, _third(prefix)),
+        "errors": errors.lines,
+        "stats": {k: after[k] - before.get(k, 0) for k in after},
+        "prefix_len": len(prefix),
+        "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+        "unit": _hit_unit(llm),
+    }
+
+
+def run_reference(model: str) -> dict[str, Any]:
+    """Prompts 2 and 3 without any connector, in this fresh process."""
+    llm = _llm(model, None)
+    prefix, _p1, p2 = _prompts(llm)
+    return {"hit": _generate(llm, p2), "again": _generate(llm, _third(prefix))}
 
 
 def run_plain(model: str) -> dict[str, Any]:
@@ -177,10 +296,16 @@ def main(argv: list[str]) -> int:
         result = run_e2e_dump(*args)
     elif mode == "e2e-load":
         result = run_e2e_load(*args)
+    elif mode == "e2e-load-fail":
+        result = run_e2e_load_fail(*args)
     elif mode == "plain":
         result = run_plain(*args)
+    elif mode == "reference":
+        result = run_reference(*args)
     else:
-        raise SystemExit(f"unknown mode {mode!r} (gdn, e2e-dump, e2e-load, plain)")
+        raise SystemExit(
+            f"unknown mode {mode!r} (gdn, e2e-dump, e2e-load, e2e-load-fail, plain, reference)"
+        )
     Path(out).write_text(json.dumps(result))
     return 0
 

@@ -3,11 +3,12 @@
 One vLLM process per scenario, several assertions per process (each start costs ~20 s):
 
 * ``local_run``: request 1 computes and dumps; after vLLM's own prefix cache is reset,
-  request 2 (same prefix) loads layerwise from the local store and its tokens and
-  logprobs equal a recomputation (same prompt, other ``cache_salt``: a miss) and a run
-  without any connector; loaded blocks are not dumped again; corrupted values fail
-  their checksum at load time, vLLM recomputes (same output) and the blocks are stored
-  again; nothing leaks (all maps empty, every block free).
+  request 2 (same prefix) loads layerwise from the local store: its tokens equal a
+  recomputation (same prompt, other ``cache_salt``: a miss) and a run without any
+  connector, and its tokens and logprobs equal, bit for bit, the hit's exact oracle;
+  loaded blocks are not dumped again; corrupted values fail their checksum at load
+  time, vLLM recomputes (same output) and the blocks are stored again; nothing leaks
+  (all maps empty, every block free).
 * ``restart_run``: a new process on the same directory hits the cache, with our connector
   as a child of vLLM's ``MultiConnector`` next to ``ExampleConnector`` (a non-HMA sibling:
   the seed-000 ``request_finished`` path); its delayed frees are all reported and freed.
@@ -16,6 +17,13 @@ One vLLM process per scenario, several assertions per process (each start costs 
   processes; float32, as bf16 faults in spawned CPU workers here): the connector is found
   by its registered name in every process, metadata and worker reports cross process
   boundaries, and the hit equals a recomputation.
+
+The exact oracle of a hit (issue #36): vLLM's own prefix cache, under a salt of its own,
+seeded with the hit's prefix computed as the stored KV was computed (in a prefill as long
+as the prompt that dumped it), then the request (``oracle_steps``,
+tests/support/connector_child.py): the same KV bits, the same split of the prefill. A
+recomputation in one pass splits the prefill elsewhere; in bf16 its logprobs then differ
+in the last bits on some CPUs, so it is the reference for tokens only.
 
 The model is ``tiny-qwen3-sharp`` (initializer range 0.2): its greedy tokens depend on the
 KV, so "equals a recomputation" fails for wrong pages (``tests/test_e2e_mutation.py``
@@ -30,7 +38,13 @@ from typing import Any
 
 import pytest
 
-from tests.support.connector_child import prompt, run_child, whole_units
+from tests.support.connector_child import (
+    assert_same_as_oracle,
+    oracle_steps,
+    prompt,
+    run_child,
+    whole_units,
+)
 
 PREFIX = prompt(1, 300)  # full blocks + a partial one (vLLM CPU picks 128-token blocks)
 R1 = [*PREFIX, 5, 6, 7]
@@ -69,6 +83,9 @@ def local_run(tiny_qwen3_sharp: Path, store_dir: Path) -> dict[str, Any]:
             gen("r3_recomputed", R3, salt="recompute-r3"),
             FLUSH,
             gen("r2_again", R2),
+            # the exact oracles: r2 loaded r1's dumps; r2_again, r3's (recomputed, dumped)
+            *oracle_steps("r2_oracle", R1, R2, hit_of="r2"),
+            *oracle_steps("r2_again_oracle", R3, R2, hit_of="r2_again"),
             {"op": "flush", "name": "flush_last"},
             {"op": "sizes", "name": "sizes"},
         ],
@@ -78,7 +95,9 @@ def local_run(tiny_qwen3_sharp: Path, store_dir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def plain_run(tiny_qwen3_sharp: Path, store_dir: Path) -> dict[str, Any]:
-    spec = {"model": str(tiny_qwen3_sharp), "extra": None, "steps": [gen("r2", R2), gen("r3", R3)]}
+    # r3 after a reset: computed in one pass, as a request whose load failed is recomputed
+    steps = [gen("r2", R2), {"op": "reset", "name": "reset"}, gen("r3", R3)]
+    spec = {"model": str(tiny_qwen3_sharp), "extra": None, "steps": steps}
     return run_child(spec, store_dir.parent, "plain")
 
 
@@ -104,6 +123,7 @@ def restart_run(
 
 
 def same_output(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """The same computation (no hit in either, or the same hit of the same stored KV)."""
     assert a["tokens"] == b["tokens"]
     assert a["logprobs"] == b["logprobs"]
 
@@ -143,8 +163,8 @@ def test_request2_loads_prefix_layerwise_and_matches_recompute(
     recomputed = local_run["r2_recomputed"]
     assert recomputed["num_cached_tokens"] == 0
     assert delta(local_run, "r2", "r2_recomputed", "hit_tokens") == 0
-    same_output(r2, recomputed)
-    same_output(r2, plain_run["r2"])
+    assert r2["tokens"] == recomputed["tokens"] == plain_run["r2"]["tokens"]
+    assert_same_as_oracle(r2, local_run["r2_oracle"])
 
 
 def test_corrupt_values_fail_the_load_and_vllm_recomputes(
@@ -154,11 +174,13 @@ def test_corrupt_values_fail_the_load_and_vllm_recomputes(
     assert delta(local_run, "r2_recomputed", "r3", "load_errors") >= 1
     assert delta(local_run, "r2_recomputed", "r3", "load_failed_requests") == 1
     assert local_run["r3_recomputed"]["num_cached_tokens"] == 0
+    assert plain_run["reset"]["reset"] and plain_run["r3"]["num_cached_tokens"] == 0
     same_output(local_run["r3"], local_run["r3_recomputed"])
     same_output(local_run["r3"], plain_run["r3"])
     # The recomputed blocks were dumped again, so the prefix hits once more.
     assert delta(local_run, "r3_recomputed", "r2_again", "hit_tokens") == prefix_hit(local_run)
-    same_output(local_run["r2_again"], plain_run["r2"])
+    assert local_run["r2_again"]["tokens"] == plain_run["r2"]["tokens"]
+    assert_same_as_oracle(local_run["r2_again"], local_run["r2_again_oracle"])
 
 
 def test_nothing_leaks(local_run: dict[str, Any]) -> None:
@@ -177,7 +199,7 @@ def test_nothing_leaks(local_run: dict[str, Any]) -> None:
 
 
 def test_new_process_hits_through_multiconnector(
-    restart_run: dict[str, Any], plain_run: dict[str, Any]
+    restart_run: dict[str, Any], local_run: dict[str, Any], plain_run: dict[str, Any]
 ) -> None:
     r2 = restart_run["r2"]
     assert r2["num_cached_tokens"] == prefix_hit(restart_run) > 0
@@ -185,7 +207,10 @@ def test_new_process_hits_through_multiconnector(
     # First load of a fresh process: no layer has shown its hook yet -> loaded in full
     # in start_load_kv (never waited for by a hook that might not fire).
     assert r2["stats"]["loads_sync_fallback"] == 1
-    same_output(r2, plain_run["r2"])
+    assert r2["tokens"] == plain_run["r2"]["tokens"]
+    # the values r2_again loaded, with its split: its output, bit for bit (and its oracle's)
+    assert r2["num_cached_tokens"] == local_run["r2_again"]["num_cached_tokens"]
+    same_output(r2, local_run["r2_again"])
 
 
 def test_multiconnector_counts_delayed_frees(restart_run: dict[str, Any]) -> None:
@@ -219,6 +244,7 @@ def multiprocess_run(
             {"op": "flush", "name": "flush1"},
             gen("r2", R2),
             gen("r2_recomputed", R2, salt="recompute-r2"),
+            *oracle_steps("r2_oracle", R1, R2, hit_of="r2"),
             {"op": "flush", "name": "flush2"},
         ],
     }
@@ -233,5 +259,6 @@ def test_multiprocess_layout_hits_and_releases_blocks(multiprocess_run: dict[str
     hit = whole_units(multiprocess_run, len(PREFIX))
     assert multiprocess_run["r2"]["num_cached_tokens"] == hit > 0
     assert multiprocess_run["r2_recomputed"]["num_cached_tokens"] == 0
-    same_output(multiprocess_run["r2"], multiprocess_run["r2_recomputed"])
+    assert multiprocess_run["r2"]["tokens"] == multiprocess_run["r2_recomputed"]["tokens"]
+    assert_same_as_oracle(multiprocess_run["r2"], multiprocess_run["r2_oracle"])
     assert multiprocess_run["flush2"]["reset"]

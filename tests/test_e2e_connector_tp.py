@@ -6,9 +6,14 @@ executor; the engine core and the connector's scheduler side stay in the child):
 * ``dump``: request 1 computes and dumps its full blocks; each TP rank stores its own
   shard of every page under its own key (``...t0`` / ``...t1``);
 * ``load``: a fresh process on the same store: request 2 (same prefix) hits every full
-  block of the prefix, loads both ranks' shards and equals a recomputation in the same
-  process (other ``cache_salt``: a miss);
-* ``plain``: request 2 with no connector at all, also TP=2 (the reference).
+  block of the prefix, loads both ranks' shards; its tokens equal a recomputation in the
+  same process (other ``cache_salt``: a miss), and its tokens and logprobs equal, bit for
+  bit, the hit's exact oracle in the same process (vLLM's own prefix cache seeded, under a
+  third salt, with the hit's prefix computed as the dump computed it; ``oracle_steps`` in
+  tests/support/connector_child.py): the same KV bits, the same split of the prefill. A
+  recomputation in one pass splits it elsewhere: even in float32 its last bits may differ
+  on another CPU;
+* ``plain``: request 2 with no connector at all, also TP=2 (the reference tokens).
 
 The counters of loads and dumps live in the worker processes; what the test reads is the
 engine's side: ``num_cached_tokens`` per request, the scheduler side's hit counters and
@@ -25,7 +30,13 @@ from typing import Any
 
 import pytest
 
-from tests.support.connector_child import prompt, run_child, whole_units
+from tests.support.connector_child import (
+    assert_same_as_oracle,
+    oracle_steps,
+    prompt,
+    run_child,
+    whole_units,
+)
 
 PREFIX = prompt(1, 300)
 R1 = [*PREFIX, 5, 6, 7]
@@ -63,6 +74,7 @@ def runs(tiny_qwen3_sharp: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     load = [
         gen("r2", R2),
         gen("r2_recomputed", R2, salt="recompute"),
+        *oracle_steps("r2_oracle", R1, R2, hit_of="r2", max_tokens=8),
         {"op": "flush", "name": "flush"},
         {"op": "sizes", "name": "sizes"},
     ]
@@ -100,9 +112,8 @@ def test_fresh_process_hits_and_equals_the_reference(runs: dict[str, Any]) -> No
     assert recomputed["num_cached_tokens"] == 0
     plain = runs["plain"]["r2"]
     assert plain["num_cached_tokens"] == 0
-    for other in (recomputed, plain):
-        assert r2["tokens"] == other["tokens"]
-        assert r2["logprobs"] == other["logprobs"]
+    assert r2["tokens"] == recomputed["tokens"] == plain["tokens"]
+    assert_same_as_oracle(r2, load["r2_oracle"])
 
 
 def test_tp_run_releases_every_block(runs: dict[str, Any]) -> None:

@@ -270,6 +270,33 @@ def test_e2e_fails_when_nothing_was_stored_or_the_reference_hit() -> None:
     assert not rm.judge_e2e(dump, load)["ok"]
 
 
+def _with_oracle(delta: float = 0.0, cached: int = 32) -> tuple:
+    """A run whose one-pass recomputation differs in the last bits (another split of the
+    prefill), with an exact oracle (vLLM's own cache seeded with the hit's prefix)."""
+    dump, load = _e2e()
+    load["hit"]["logprobs"] = [lp + 2**-10 for lp in load["hit"]["logprobs"]]
+    oracle = dict(load["hit"], num_cached_tokens=cached)
+    oracle["logprobs"] = [oracle["logprobs"][0] + delta, *oracle["logprobs"][1:]]
+    dump["oracle"] = oracle
+    return dump, load
+
+
+def test_e2e_logprobs_are_judged_bit_for_bit_against_the_exact_oracle() -> None:
+    out = rm.judge_e2e(*_with_oracle())
+    assert out["ok"] and out["same_as_oracle"] and out["oracle_cached_tokens"] == 32
+    assert out["max_logprob_diff"] == 2**-10  # the one-pass recomputation: reported only
+
+
+@pytest.mark.parametrize(
+    "case", [_with_oracle(delta=2**-20), _with_oracle(cached=16)], ids=["last-bit", "other-split"]
+)
+def test_e2e_fails_when_the_hit_is_not_the_oracle_bit_for_bit(case: tuple) -> None:
+    """Any difference from the oracle fails (no tolerance), and an oracle that did not hit
+    the hit's tokens in vLLM's own cache (another split) proves nothing: it fails too."""
+    out = rm.judge_e2e(*case)
+    assert not out["ok"] and not out["same_as_oracle"]
+
+
 def test_the_connectors_start_up_warnings_are_read_from_vllms_log() -> None:
     output = "\n".join(
         [

@@ -14,6 +14,11 @@ tests.support.connector_child SPEC OUT`` (optionally through
 
 * ``{"op": "gen", "name": N, "prompt": [ids], "salt": str | None}``: generate, record
   tokens, logprobs, ``num_cached_tokens``, wall time and the connector counters after it;
+* ``{"op": "seed", "name": N, "stored": [ids], "hit": n | "hit_of": name, "salt": s}``:
+  fill vLLM's own prefix cache with exactly what a connector hit of ``n`` tokens of
+  ``stored`` loads (``hit_of``: the ``num_cached_tokens`` of an earlier ``gen`` of this
+  process), under ``salt``: the exact oracle of a hit (:func:`oracle_seed`). A ``gen`` of
+  a prompt sharing that prefix, with the same salt, then hits ``n`` tokens in vLLM's cache;
 * ``{"op": "flush"}``: wait for dumps, run one tiny request so finished requests are
   reported and pins dropped, then ``reset_prefix_cache()`` (must succeed: nothing leaked)
   so the next request cannot hit vLLM's own prefix cache, only the store;
@@ -55,6 +60,11 @@ the mamba page), ``mamba_copy`` (``"record"``: log mamba align copies and ``star
 calls in order; ``"deferred"``: also run each copy after ``start_load_kv``, the order
 vLLM-Ascend >= 0.21 uses), ``force_sync_loads`` (load hybrid states inside the forward step,
 which the connector refuses in production, to show what the copy does to them).
+
+Every ``gen`` also reports ``logit_abs_max`` (the largest |logit| vLLM's
+``LogitsProcessor`` produced during it) and ``logit_unit_roundoff`` (half the logits'
+dtype's ``eps``: 2^-8 for bf16), so a test can derive how far rounding alone moves a
+logprob (:func:`rounding_bound`); in-process engines only (None with worker processes).
 
 Every connected run reports ``layout`` (the connector's groups and hit unit), ``vllm``
 (the block sizes vLLM chose at run time) and ``state_boundaries`` (group -> token boundaries
@@ -173,6 +183,65 @@ def whole_units(run: dict[str, Any], tokens: int) -> int:
     return tokens // unit * unit
 
 
+def oracle_seed(stored: list[int], hit: int) -> list[int]:
+    """The prompt that puts in vLLM's own prefix cache exactly what a connector hit of the
+    first ``hit`` tokens of ``stored`` loads, so that a request then computes the same
+    suffix on the same KV bits: the exact oracle of a hit (issue #36).
+
+    Two things decide the bits: where the prefill is split (the hit; vLLM's own cache hits
+    whole blocks, and ``hit`` is whole blocks) and how the cached KV was computed. The KV
+    of the stored tokens depends on how many tokens the prefill step that computed them
+    held (the CPU kernels block by it: ``stored[:hit]`` alone in a shorter prefill gets
+    other bits, 2.6e-2 apart in a logprob of tests/test_e2e_hybrid_layouts.py's layerwise
+    case). So the seed is ``stored[:hit]``, then as many other tokens as ``stored`` has
+    (each changed: from token ``hit`` on, no block of the seed matches ``stored`` or a
+    prompt sharing its prefix, so only the first ``hit`` tokens can hit)."""
+    tail = [(t - 3) % 996 + 4 for t in stored[hit:]]  # t + 1, kept in [4, 1000)
+    return [*stored[:hit], *tail]
+
+
+def seed_step(
+    name: str, stored: list[int], salt: str | None = None, **hit: int | str
+) -> dict[str, Any]:
+    """A ``seed`` step: ``hit=n`` tokens, or ``hit_of="gen name"`` (that gen's hit)."""
+    return {"op": "seed", "name": name, "stored": stored, "salt": salt, **hit}
+
+
+def oracle_steps(
+    name: str, stored: list[int], ids: list[int], hit_of: str, **gen: Any
+) -> list[dict[str, Any]]:
+    """Steps that compute ``ids`` on the exact oracle of the hit of the ``gen`` named
+    ``hit_of``: ``{name}_seed`` fills vLLM's own prefix cache, under the salt ``name``,
+    with that hit's tokens of ``stored`` (the prompt whose prefill computed the stored
+    KV), then ``name`` runs ``ids`` under the same salt (``gen``: other gen keys)."""
+    run = {"op": "gen", "name": name, "prompt": ids, "salt": name, **gen}
+    return [seed_step(f"{name}_seed", stored, salt=name, hit_of=hit_of), run]
+
+
+def assert_same_as_oracle(hit: dict[str, Any], oracle: dict[str, Any]) -> None:
+    """``hit`` (a connector hit) equals its exact oracle (:func:`oracle_steps`) bit for
+    bit: vLLM's own cache hit the same tokens (the same split of the prefill) on KV
+    computed as the stored KV was, so no tolerance is needed on any CPU."""
+    cached = (hit["num_cached_tokens"], oracle["num_cached_tokens"])
+    assert cached[0] > 0 and cached[0] == cached[1], cached
+    assert hit["tokens"] == oracle["tokens"]
+    assert hit["logprobs"] == oracle["logprobs"]
+
+
+def rounding_bound(*gens: dict[str, Any]) -> float:
+    """How far the rounding of the logits alone moves a logprob, for these ``gen`` results.
+
+    A logprob is ``z_t - logsumexp(z)``; vLLM computes the logits ``z`` in the model dtype
+    and the log-softmax in float32. A perturbation ``dz`` of the logits moves it by
+    ``dz_t - sum_j p_j dz_j``: at most ``2 max_j |dz_j|``. Each logit is rounded to its
+    dtype with a relative error of at most the unit roundoff ``u`` (2^-8 for bf16: 8
+    significant bits), so two computations of the same logits that differ by their
+    rounding differ by at most ``2 u max|z|`` per logit, and their logprobs by
+    ``4 u max|z|``, with ``max|z|`` the largest |logit| either run produced."""
+    u = max(float(g["logit_unit_roundoff"]) for g in gens)
+    return 4 * u * max(float(g["logit_abs_max"]) for g in gens)
+
+
 def _env_values(extra: dict[str, Any]) -> dict[str, Any]:
     """``extra`` with ``"$NAME"`` values read from the environment."""
     return {
@@ -264,6 +333,39 @@ def _stats(connected: bool) -> dict[str, int]:
     return out
 
 
+class _Logits:
+    """The largest |logit| since the last :meth:`take`, and the logits' unit roundoff.
+
+    Test-side instrumentation: vLLM's ``LogitsProcessor.forward`` wrapped in this process
+    (the engine's worker runs here in single-process mode; not with worker processes)."""
+
+    abs_max: float | None = None
+    unit_roundoff: float | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        import torch
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+        forward = LogitsProcessor.forward
+
+        def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
+            logits = forward(self, *args, **kwargs)
+            if logits is not None and logits.numel():
+                seen = float(logits.detach().abs().max())
+                cls.abs_max = seen if cls.abs_max is None else max(cls.abs_max, seen)
+                cls.unit_roundoff = torch.finfo(logits.dtype).eps / 2
+            return logits
+
+        LogitsProcessor.forward = recording  # type: ignore[method-assign]
+
+    @classmethod
+    def take(cls) -> dict[str, float | None]:
+        out = {"logit_abs_max": cls.abs_max, "logit_unit_roundoff": cls.unit_roundoff}
+        cls.abs_max = None
+        return out
+
+
 def _gen(llm: Any, step: dict[str, Any], connected: bool) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -273,9 +375,11 @@ def _gen(llm: Any, step: dict[str, Any], connected: bool) -> dict[str, Any]:
     params = SamplingParams(
         max_tokens=step.get("max_tokens", 4), temperature=0.0, logprobs=1, ignore_eos=True
     )
+    _Logits.take()
     t0 = time.perf_counter()
     out = llm.generate([request], params, use_tqdm=False)[0]
     wall = time.perf_counter() - t0
+    logits = _Logits.take()
     comp = out.outputs[0]
     logprobs = [comp.logprobs[i][tok].logprob for i, tok in enumerate(comp.token_ids)]
     if connected:
@@ -288,6 +392,7 @@ def _gen(llm: Any, step: dict[str, Any], connected: bool) -> dict[str, Any]:
         "num_cached_tokens": out.num_cached_tokens,
         "wall_s": wall,
         "stats": _stats(connected),
+        **logits,
     }
 
 
@@ -758,12 +863,18 @@ def main(argv: list[str]) -> int:
         _record_put_keys()
     observer = _Observer(spec)
     llm = _LLM = _llm(spec)
+    _Logits.install()  # after vLLM and the plugin loaded: nothing imported before them
     results: dict[str, Any] = {}
     for i, step in enumerate(spec["steps"]):
         op = step["op"]
         name = step.get("name", f"{op}{i}")
         if op == "gen":
             results[name] = _gen(llm, step, connected)
+        elif op == "seed":
+            hit = step["hit"] if "hit" in step else results[step["hit_of"]]["num_cached_tokens"]
+            ids = oracle_seed(step["stored"], hit)
+            seed = {"prompt": ids, "salt": step.get("salt"), "max_tokens": 1}
+            results[name] = _gen(llm, seed, connected) | {"hit": hit}
         elif op == "flush":
             results[name] = _flush(llm, connected)
         elif op == "corrupt":
