@@ -232,6 +232,10 @@ def _ktc(kind: str, store: str) -> Any:
             "local_path": store,
             # the host memory vLLM's OffloadingConnector gets below: the same for both
             "local_memory_bytes": HOST_KV_BYTES,
+            # The load process stands for a restarted server that reads the tier warm: by
+            # default the last process's close spills the tier to disk and removes it, and
+            # the hit then reads the disk tier (docs/GPU.md, run 5).
+            "local_memory_keep_bytes": HOST_KV_BYTES,
         }
         threads = os.environ.get(THREADS_ENV)
         if threads:
