@@ -65,7 +65,12 @@ def test_vllm_without_state_offers_leaves_a_hybrid_model_idle(monkeypatch, caplo
 
     monkeypatch.setattr("ucm_patch.connector.scheduler_side.SchedulerSide", Side)
     layout = SimpleNamespace(
-        mamba_groups=(object(),), tp_size=1, fingerprint="f", rows=(), groups=()
+        mamba_groups=(object(),),
+        tp_size=1,
+        fingerprint="f",
+        rows=(),
+        groups=(),
+        max_value_bytes=0,
     )
     monkeypatch.setattr(kv_connector.KVLayout, "from_vllm", lambda *a: layout)
     monkeypatch.setattr(kv_connector, "shared_store", lambda config, value_bytes=0: object())
