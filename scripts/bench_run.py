@@ -45,7 +45,17 @@ BENCHES: dict[str, tuple[list[str], list[str], int, str]] = {
     "ttft": (["bench_ttft.py"], ["bench_ttft.py", "--quick"], 5400, ""),
     "stores": (
         ["bench_stores.py", "--out", str(OUT / "stores")],
-        ["bench_stores.py", "--total", "32MiB", "--repeat", "2", "--out", str(OUT / "stores")],
+        [
+            "bench_stores.py",
+            "--total",
+            "32MiB",
+            "--repeat",
+            "2",
+            "--full-seconds",
+            "1",
+            "--out",
+            str(OUT / "stores"),
+        ],
         900,
         "",
     ),

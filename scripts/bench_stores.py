@@ -235,6 +235,229 @@ def _put_worker(path: str, tier: str, size: int, count: int, tag: str, share: in
     print("done", flush=True)
 
 
+# -- the store as the connector builds it: two tiers, spilling on, full, 1/2/4 writers ---------
+
+#: The two tiers of the full-store rows: a 512 MiB memory tier over a 4 GiB disk tier, the
+#: connector's segment size (so a spill is a segment of the memory tier in one write).
+TWO_TIERS = {"memory": 512 * MiB, "disk": 4 << 30, "segment": 64 * MiB}
+
+
+def _two_tier_store(base: Path, size: int) -> Any:
+    """The store in ``base`` (its disk tier) with its memory tier on /dev/shm, as the
+    connector makes it (the tier's directory named after ``base``, like the default)."""
+    from ucm_patch.hooks.stores.local import LocalStore
+
+    memory = SHM / f"bench-two-tiers-{os.getuid()}-{base.name}"
+    return LocalStore(
+        base / "disk", TWO_TIERS["disk"], memory_bytes=TWO_TIERS["memory"],
+        memory_path=memory, segment_bytes=TWO_TIERS["segment"], value_bytes=size,
+    )  # fmt: skip
+
+
+def _quiet(store: Any) -> None:
+    """A timed phase starts on a quiet store: the warmer done, the reserve refilled, and the
+    disk tier's dirty pages written back (the last phase's spills do not run into it)."""
+    warmer = store.memory._warmer
+    if warmer is not None:
+        warmer.join()
+    store.memory.cleaner.wait_idle(120)
+    os.sync()
+
+
+def _timed_puts(
+    store: Any, tag: str, values: list[bytes], seconds: float, pace_s: float
+) -> dict[str, float]:
+    """Put fresh keys in batches of 2 MiB of values for ``seconds``, as fast as the store
+    answers: bytes stored and offered, and each call's wall time. A batch answered False
+    (skipped: the reserve ran dry) is followed by a pause of ``pace_s``, the time a stored
+    batch takes with room: a producer's next values come no sooner for its last ones
+    being dropped (a dump thread moves on to the next layer's), and a loop spinning on
+    skipped puts would only take the CPU the cleaner spills with."""
+    batch = max(1, BATCH_BYTES // len(values[0]))
+    before = store.stats["bytes_written"]
+    calls: list[float] = []
+    n = 0
+    clock = time.perf_counter
+    started = clock()
+    while clock() - started < seconds:
+        items = [(f"{tag}/{n + j}", values[(n + j) % len(values)]) for j in range(batch)]
+        t = clock()
+        ok = store.put_many(items)
+        calls.append(clock() - t)
+        n += batch
+        if not all(ok):
+            time.sleep(pace_s)
+    wall = clock() - started
+    calls.sort()
+    return {
+        "wall_s": wall,
+        "stored": store.stats["bytes_written"] - before,
+        "offered": n * len(values[0]),
+        "slowest_ms": calls[-1] * 1e3,
+        "p999_ms": calls[int(len(calls) * 0.999)] * 1e3,
+        "median_ms": statistics.median(calls) * 1e3,
+    }
+
+
+def _full_worker(path: str, size: int, seconds: float, pace_s: float, tag: str) -> None:
+    """One writer of ``bench_full_store``: opens the store as the connector does, waits
+    until told, puts for ``seconds``, prints its figures as JSON."""
+    store = _two_tier_store(Path(path), size)
+    values = [os.urandom(size) for _ in range(64)]
+    _quiet(store)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    out = _timed_puts(store, tag, values, seconds, pace_s)
+    out["dry"] = store.stats["reserve_dry"]
+    print(json.dumps(out), flush=True)
+    store.close()
+
+
+def _fill(store: Any, values: list[bytes], nbytes: int) -> None:
+    """Put until ``nbytes`` were spilled to disk (both tiers full, every disk segment
+    written once), backing off whenever the reserve is dry."""
+    per = max(1, BATCH_BYTES // len(values[0]))
+    n = 0
+    while store.stats["spilled"] * len(values[0]) < nbytes:
+        items = [(f"fill/{n + j}", values[(n + j) % len(values)]) for j in range(per)]
+        if not all(store.put_many(items)):
+            time.sleep(0.005)
+        n += per
+
+
+def bench_full_store(base: Path, size: int, seconds: float) -> dict[str, Any]:
+    """The store as users get it: two tiers, spilling on. ``with room``: one process puts
+    half the memory tier into a new store. ``full``: 1, 2 and 4 processes put at once
+    into the store once both tiers are full (every later put needs a segment the cleaner
+    emptied); MiB/s stored (values answered True) over the wall time, the share skipped
+    (the reserve ran dry: answered False at once), and the slowest call."""
+    shutil.rmtree(base, ignore_errors=True)
+    store = _two_tier_store(base, size)
+    values = [os.urandom(size) for _ in range(64)]
+    try:
+        _quiet(store)
+        _timed_puts_bytes(store, "warm", values, 8 * MiB)  # the code paths, once
+        budget = TWO_TIERS["memory"] // 2
+        room = _timed_puts_bytes(store, "room", values, budget)
+        _fill(store, values, TWO_TIERS["disk"] + TWO_TIERS["memory"])
+        pace = room["wall_s"] / max(1, room["stored"] // BATCH_BYTES)
+        out: dict[str, Any] = {
+            "with room": room,
+            "tiers": dict(TWO_TIERS),
+            "seconds": seconds,
+            "pace_ms": pace * 1e3,
+        }
+        for n in (1, 2, 4):
+            _quiet(store)
+            name = f"full, {n} process" + ("es" if n > 1 else "")
+            out[name] = _processes(base, size, seconds, pace, n)
+        out["host jitter"] = _host_jitter(base, seconds)
+    finally:
+        memory = store.memory.path
+        store.close()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
+    return out
+
+
+def _timed_puts_bytes(store: Any, tag: str, values: list[bytes], nbytes: int) -> dict[str, float]:
+    """``_timed_puts`` for a volume, not a duration (the store with room: it must not fill)."""
+    batch = max(1, BATCH_BYTES // len(values[0]))
+    before = store.stats["bytes_written"]
+    calls: list[float] = []
+    clock = time.perf_counter
+    started = clock()
+    for n in range(0, nbytes // len(values[0]), batch):
+        items = [(f"{tag}/{n + j}", values[(n + j) % len(values)]) for j in range(batch)]
+        t = clock()
+        store.put_many(items)
+        calls.append(clock() - t)
+    wall = clock() - started
+    calls.sort()
+    stored = store.stats["bytes_written"] - before
+    return {
+        "wall_s": wall, "stored": stored, "offered": stored, "slowest_ms": calls[-1] * 1e3,
+        "p999_ms": calls[int(len(calls) * 0.999)] * 1e3,
+        "median_ms": statistics.median(calls) * 1e3,
+    }  # fmt: skip
+
+
+def _processes(base: Path, size: int, seconds: float, pace_s: float, n: int) -> dict[str, Any]:
+    worker = [sys.executable, __file__, "--full-worker", str(base), str(size), str(seconds)]
+    worker.append(str(pace_s))
+    pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+    procs = [subprocess.Popen([*worker, f"w{n}-{i}"], text=True, **pipes) for i in range(n)]
+    for p in procs:
+        assert p.stdout is not None
+        if p.stdout.readline().strip() != "ready":
+            raise SystemExit("bench: a full-store writer did not start")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    each = []
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if p.wait(timeout=600) or not line:
+            raise SystemExit("bench: a full-store writer failed")
+        each.append(json.loads(line))
+    wall = max(e["wall_s"] for e in each)
+    stored, offered = sum(e["stored"] for e in each), sum(e["offered"] for e in each)
+    return {
+        "wall_s": wall, "stored": stored, "offered": offered,
+        "slowest_ms": max(e["slowest_ms"] for e in each),
+        "p999_ms": max(e["p999_ms"] for e in each),
+        "median_ms": max(e["median_ms"] for e in each), "each": each,
+    }  # fmt: skip
+
+
+def _host_jitter(base: Path, seconds: float) -> dict[str, float]:
+    """The host's own floor for a slowest call: a loop of two 1 MiB copies (no system
+    call, no lock, nothing of the store) timed per pass, alone, then beside a process
+    rewriting a 1 GiB file in the page cache as fast as it can (what the cleaner does
+    while a full store takes puts)."""
+    src, dst = os.urandom(MiB), memoryview(bytearray(MiB))
+
+    def loop() -> float:
+        slowest, clock = 0.0, time.perf_counter
+        started = clock()
+        while clock() - started < seconds:
+            t = clock()
+            dst[:] = src
+            dst[:] = src
+            slowest = max(slowest, clock() - t)
+        return slowest * 1e3
+
+    alone = loop()
+    writer = subprocess.Popen(
+        [sys.executable, __file__, "--disk-writer", str(base / "jitter"), str(seconds + 5)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert writer.stdout is not None
+    writer.stdout.readline()
+    beside = loop()
+    writer.kill()
+    writer.wait()
+    return {"alone_ms": alone, "beside_disk_writes_ms": beside}
+
+
+def _disk_writer(path: str, seconds: float) -> None:
+    import mmap
+
+    os.makedirs(path, exist_ok=True)
+    chunk = mmap.mmap(-1, 64 * MiB)
+    chunk.write(os.urandom(64 * MiB))
+    fds = [os.open(os.path.join(path, f"f{i}"), os.O_RDWR | os.O_CREAT, 0o600) for i in range(16)]
+    for fd in fds:
+        os.pwritev(fd, [chunk], 0)
+    print("ready", flush=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for fd in fds:
+            os.pwritev(fd, [chunk], 0)
+
+
 def bench_lmdb(base: Path, values: list[bytes], batch: int, repeat: int) -> dict:
     """The candidate of keeping the values themselves in LMDB (py-lmdb, pages changed in
     place, no sync), with the same integrity frame as the local store (its header in a
@@ -421,6 +644,10 @@ def run_size(args: argparse.Namespace, size: int, base: Path, mooncake: Any) -> 
             results["disk tier (fsync)"] = bench_tier(
                 base / "fsync", "disk", values, batch, args.repeat, fsync=True
             )
+            if size >= GPU_CHUNK:  # the values the connector stores
+                results["two tiers (as the connector builds them)"] = bench_full_store(
+                    base / "two-tiers", size, args.full_seconds
+                )
             for n in (2, 4):
                 results[f"memory tier, {n} processes"] = {
                     "put": [bench_processes(memory / "procs", "memory", size, count * size, n)]
@@ -518,7 +745,15 @@ def table(report: dict) -> str:
             "and % of memcpy",
             f"{'path':36} {'put':>17} {'get':>17} {'get into buffers':>17}",
         ]
+        full = d["results"].get("two tiers (as the connector builds them)")
+        for name, row in (full or {}).items():
+            if isinstance(row, dict) and "stored" in row:
+                rate = row["stored"] / MiB / row["wall_s"]
+                lines.append(f"two tiers, {name:30} {rate:8.0f} MiB/s stored, slowest put "
+                             f"{row['slowest_ms']:.1f} ms")  # fmt: skip
         for name, ops in d["results"].items():
+            if name == "two tiers (as the connector builds them)":
+                continue  # its lines are above
             if name == "memcpy":
                 for what, xs in ops.items():
                     lines.append(f"{what:36} {fmt(xs)}")
@@ -548,8 +783,20 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=7, help="rounds (median and best shown)")
     ap.add_argument("--out", default=str(REPO / "bench-results"), help="JSON output folder")
     ap.add_argument("--local-dir", default=None, help="directory for the disk-tier runs")
+    ap.add_argument(
+        "--full-seconds", type=float, default=3.0, help="seconds of puts per full-store phase"
+    )
     ap.add_argument("--put-worker", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--full-worker", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--disk-writer", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.full_worker:
+        path, size, seconds, pace, tag = args.full_worker
+        _full_worker(path, int(size), float(seconds), float(pace), tag)
+        return 0
+    if args.disk_writer:
+        _disk_writer(args.disk_writer[0], float(args.disk_writer[1]))
+        return 0
     if args.put_worker:
         path, tier, size, count, tag, share = args.put_worker
         _put_worker(path, tier, int(size), int(count), tag, int(share))

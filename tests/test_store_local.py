@@ -202,11 +202,14 @@ def test_memory_tier_spills_to_disk_and_is_shared(kv_dir: Path, shm_dir: Path) -
     s = LocalStore(kv_dir, 1 << 20, memory_bytes=4 * SEG, memory_path=shm_dir, segment_bytes=SEG)
     per_seg = SEG // record_bytes(3000)
     keys = [f"k{i}" for i in range(5 * per_seg)]
-    for k in keys:
-        assert s.put_many([(k, _value(k))]) == [True]
-    assert s.stats["spilled"] == per_seg and s.stats["evictions"] == 0
+    for k in keys:  # a put the reserve had no segment for is skipped: put again once refilled
+        while s.put_many([(k, _value(k))]) != [True]:
+            assert s.memory is not None and s.memory.cleaner.wait_idle()
+    assert s.stats["spilled"] >= per_seg and s.stats["evictions"] == 0
     assert s.get_many(keys) == [_value(k) for k in keys]
-    assert s.stats["disk_hits"] == per_seg and s.stats["memory_hits"] == 4 * per_seg
+    # every value the cleaner moved is read from the disk tier, every other from memory
+    assert s.stats["disk_hits"] == s.stats["spilled"]
+    assert s.stats["memory_hits"] == len(keys) - s.stats["spilled"]
     other = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(
             f"""

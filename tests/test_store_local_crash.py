@@ -100,8 +100,11 @@ def test_sigkill_mid_write_loses_nothing_stored(tmp_path: Path, tiers: str, size
         assert s.put_many([(k, value_of(k, size)) for k in chunk]) == [True] * len(chunk)
     assert s.get_many(extra) == [value_of(k, size) for k in extra]
     assert s.get_many(done) == [value_of(k, size) for k in done]
+    s.close()
+    s = _store(path, memory)  # reopened: what the closed one left in the index
     owners = {row.owner for tier in s.tiers for row in tier.index.segments().values()}
-    assert os.getpid() not in owners  # every put gave its segment back
+    assert os.getpid() not in owners  # close gave back every segment it kept leased
+    s.close()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--writer"]:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ucm_patch.hooks.stores.framing import HEADER_SIZE
 from ucm_patch.hooks.stores.local import LocalStore
+from ucm_patch.hooks.stores.segment_cleaner import LEASE_IDLE_S
 from ucm_patch.hooks.stores.tier import Tier
 
 VALUE_MIN, VALUE_MAX = 2 << 10, 6 << 10
@@ -163,12 +164,22 @@ def peer(tmp_path: Path):  # type: ignore[no-untyped-def]
     p.close()
 
 
+def _wait_idle_lease_given_back(store: LocalStore) -> None:
+    """Until the segment ``store`` kept leased between puts is given back by its cleaner
+    thread (:data:`LEASE_IDLE_S` after the last put): only then can another process evict it."""
+    deadline = time.monotonic() + 10 * LEASE_IDLE_S + 5
+    while any(r.owner == os.getpid() for r in store.disk.index.segments().values()):
+        assert time.monotonic() < deadline, "an idle lease was never given back"
+        time.sleep(0.05)
+
+
 def test_put_after_another_process_evicted_writes_it_again(tmp_path: Path, peer: _Peer) -> None:
     """A puts k; B evicts it; A puts k again: the value is back and both processes see it
     (A's memory of having stored k once must not answer for the index)."""
     a = LocalStore(tmp_path / "kv", capacity_bytes=PEER_CAPACITY)
     assert a.put_many([("k", b"v" * 1000)]) == [True]
     assert peer("exists", "k") == [True]
+    _wait_idle_lease_given_back(a)
     for i in range(12):  # B fills the shared capacity: k's segment, the oldest, is emptied
         assert peer("put", f"other-{i}", 1000) == [True]
     assert a.exists_many(["k"]) == [False] and peer("exists", "k") == [False]
@@ -220,7 +231,11 @@ def test_dead_writers_segment_is_taken_over(tmp_path: Path) -> None:
     assert owners - {0}, "the dead process's lease should still be recorded"
     for i in range(12):  # more than the other three segments hold
         assert s.put_many([(f"n{i}", b"n" * 1000)]) == [True]
-    assert all(row.owner == 0 for row in s.disk.index.segments().values())
+    dead = owners - {0}
+    # the dead writer's segment was taken over; the only owner left is this process,
+    # which keeps the segment it appends to between its puts
+    assert not dead & {row.owner for row in s.disk.index.segments().values()}
+    assert {row.owner for row in s.disk.index.segments().values()} <= {0, os.getpid()}
     assert s.get_many(["n11"]) == [b"n" * 1000]
 
 
@@ -230,13 +245,14 @@ def test_segment_deleted_behind_the_store_is_recreated(tmp_path: Path) -> None:
     s = LocalStore(tmp_path / "kv", capacity_bytes=4 * SEG, segment_bytes=SEG)
     assert s.put_many([("k", b"old")]) == [True]
     segment = s.where("k").file  # type: ignore[union-attr]
-    os.unlink(segment)
+    os.unlink(segment)  # the segment s keeps leased between its puts
     assert s.get_many(["k"]) == [None] and s.exists_many(["k"]) == [False]
     other = LocalStore(tmp_path / "kv", capacity_bytes=4 * SEG, segment_bytes=SEG)
-    assert other.put_many([("k", b"new")]) == [True]  # a new file of the same name
+    assert other.put_many([("k", b"new")]) == [True]
     assert s.exists_many(["k"]) == [True] and s.get_many(["k"]) == [b"new"]
-    os.unlink(segment)
-    assert s.put_many([("k2", b"again")]) == [True]
+    os.unlink(other.where("k").file)  # type: ignore[union-attr]
+    assert s.get_many(["k"]) == [None]
+    assert s.put_many([("k2", b"again")]) == [True]  # into its leased segment: a new file
     assert os.path.isfile(s.where("k2").file) and other.get_many(["k2"]) == [b"again"]  # type: ignore[union-attr]
 
 

@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from xxhash import xxh3_128_digest
@@ -74,7 +74,9 @@ from ucm_patch.hooks.stores.segment_index import Loc
 from ucm_patch.hooks.stores.tier import (
     MIN_SEGMENTS,
     RECORD_HEADER,
+    Held,
     Record,
+    Spill,
     Tier,
     TierTooSmall,
     segment_for,
@@ -154,16 +156,16 @@ def scratch_memory_tiers() -> Iterator[str]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _weak_spill(store: LocalStore) -> Callable[[list[Record]], None]:
+def _weak_spill(store: LocalStore) -> Spill:
     """``store._spill`` without a reference to ``store``: the memory tier holding it would
     make a cycle, and a store dropped without ``close()`` would then live (and its tier's
     warmer keep allocating) until the cycle collector ran."""
     method = weakref.WeakMethod(store._spill)
 
-    def spill(records: list[Record]) -> None:
+    def spill(view: memoryview, live: list[Held]) -> None:
         target = method()
         if target is not None:
-            target(records)
+            target(view, live)
 
     return spill
 
@@ -201,7 +203,7 @@ class LocalStore(KVStore):
         the keys), except a memory tier of an older layout, which is left out with a
         warning (values then go to disk)."""
         super().__init__()
-        for counter in ("disk_full", "spilled", "memory_hits", "disk_hits"):
+        for counter in ("disk_full", "spilled", "memory_hits", "disk_hits", "reserve_dry"):
             self.stats[counter] = 0
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
@@ -258,6 +260,8 @@ class LocalStore(KVStore):
         if self.memory is None and self._memory_use is not None:
             self._memory_use.finish()
             self._memory_use = None
+        if self.memory is not None:  # its reserve is refilled by a process of its own
+            self.memory.cleaner.use_process(self.disk)
         self.tiers: tuple[Tier, ...] = (self.memory, self.disk) if self.memory else (self.disk,)
         self.capacity_bytes = self.disk.capacity_bytes
         self.fsync = fsync
@@ -311,7 +315,7 @@ class LocalStore(KVStore):
     def _sync_counters(self) -> None:
         """The tiers count what they evict, spill and relieve; stats shows their sums."""
         with self._lock:
-            for counter in ("evictions", "spilled", "disk_full"):
+            for counter in ("evictions", "spilled", "disk_full", "reserve_dry"):
                 self.stats[counter] = sum(getattr(t, counter) for t in self.tiers)
 
     def _default_capacity(self) -> int:
@@ -398,7 +402,15 @@ class LocalStore(KVStore):
                 "local_capacity_bytes when smaller, fixed when the directory was created)",
                 self.path, len(big), max(big), limit,
             )  # fmt: skip
-        if busy:
+        if busy and self.memory is not None:
+            self._warn.warning(
+                "memory tier dry",
+                "local store %s: %d value(s) not stored: no segment of the memory tier %s "
+                "was ready (its cleaner spills to the disk tier slower than values arrive, "
+                "or live processes write all %d segments; a put never waits for a spill)",
+                self.path, busy, self.memory.path, self.memory.count,
+            )  # fmt: skip
+        elif busy:
             self._warn.warning(
                 "every segment busy",
                 "local store %s: %d value(s) not stored: all %d segments of the disk tier are "
@@ -409,22 +421,25 @@ class LocalStore(KVStore):
     def _put(self, records: list[Record]) -> list[bool]:
         """Write into the first tier. A key already there is written again and then left
         as it was by the index (the first value wins): no lookup before every put, as a
-        dump of a key already stored is rare (the scheduler dumps what a lookup missed)."""
+        dump of a key already stored is rare (the scheduler dumps what a lookup missed).
+
+        A value the memory tier had no ready segment for is skipped (False), not written
+        to disk here: the put never waits for a disk write (:mod:`.segment_cleaner`).
+        Only a value larger than a memory segment goes to the disk tier directly."""
         try:
             done = self.tiers[0].put(records)
-            if self.memory is not None and not all(done):  # every memory segment is busy
-                again = [i for i, ok in enumerate(done) if not ok]
+            if self.memory is not None and not all(done):
+                limit = self.memory.segment_bytes - RECORD_HEADER
+                again = [i for i, ok in enumerate(done) if not ok and len(records[i][2]) > limit]
                 for i, ok in zip(again, self.disk.put([records[i] for i in again]), strict=True):
                     done[i] = ok
         except (OSError, SegmentLost) as exc:
             raise StoreError(f"local store {self.path!r}: {exc}") from exc
         return done
 
-    def _spill(self, records: list[Record]) -> None:
-        """The memory tier's values leaving it go to the disk tier (first value wins)."""
-        present = self.disk.lookup([d for d, _h, _p in records])
-        todo = [r for r, loc in zip(records, present, strict=True) if loc is None]
-        self.disk.put(todo, framed=True)
+    def _spill(self, view: memoryview, live: list[Held]) -> None:
+        """A memory segment's values leaving it go to the disk tier (:meth:`Tier.take_spill`)."""
+        self.disk.take_spill(view, live)
 
     # -- reads ------------------------------------------------------------------------------
 

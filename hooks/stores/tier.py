@@ -49,6 +49,7 @@ from ucm_patch.hooks.stores.framing import (
 )
 from ucm_patch.hooks.stores.memcopy import copy_bytes
 from ucm_patch.hooks.stores.ownership import ForeignFile, check_entries, open_dir, open_file
+from ucm_patch.hooks.stores.segment_cleaner import LEASE_IDLE_S, SegmentCleaner, reserve_for
 from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments, segment_name
 from ucm_patch.hooks.stores.segment_index import LOC, Loc, SegmentIndex, SegRow, pid_alive
 from ucm_patch.hooks.stores.sidecar import sidecar
@@ -67,10 +68,16 @@ MAPPED_SIDECAR_MIN = 8 * PIECE
 MAX_SEGMENTS = 1 << 16
 MIN_SEGMENTS = 4  # a smaller capacity gets smaller segments: eviction stays gradual
 _TICK = struct.Struct("<Q")
+#: After the stamps in ``lru``: the tier's counts of values spilled, and dropped by a
+#: failed spill, by whichever process spilled them (the cleaner process, mostly).
+_SHARED_COUNTS = 2
 #: A value: its key digest, its key's bytes (or, spilled, its frame header) and payload.
 Record = tuple[bytes, bytes, memoryview]
-#: Takes the live values of a segment being emptied: (digest, frame header, payload).
-Spill = Callable[[list[Record]], None]
+#: Where a live value lies in its segment: (key digest, record offset, frame bytes).
+Held = tuple[bytes, int, int]
+#: Takes a segment being emptied: its records from offset 0 to the end of the last live
+#: one, and the live ones among them (:meth:`Tier.adopt` writes them in one copy).
+Spill = Callable[[memoryview, list[Held]], None]
 
 
 def on_tmpfs(path: str) -> bool:
@@ -157,6 +164,7 @@ class Lease:
     seg: int
     gen: int
     end: int
+    used: float = 0.0  # time.monotonic() of its last put (kept leases: given back when idle)
 
 
 def _file_parts(batch: Sequence[Record], headers: list[bytes]) -> list[bytes | memoryview]:
@@ -192,18 +200,27 @@ class Tier:
         spill: Spill | None = None,
         secret: bytes | None = None,
         value_bytes: int = 0,
+        warm: bool = True,
     ) -> None:
+        """``warm``: a mapped tier on a tmpfs allocates its capacity in the background
+        (:func:`_warm`; the cleaner process, which only empties segments, does not)."""
         self.name = name
+        self.mapped, self.file_mode, self.dir_mode = mapped, file_mode, dir_mode
         self.secret = secret  # the store key of keyed frames (framing.load_store_key)
         self.path = os.path.abspath(path)
         self.fsync = fsync
         self.spill = spill
-        self.evictions = 0  # values dropped (not spilled) for capacity
-        self.spilled = 0  # values handed to ``spill``
+        self._dropped = 0  # values this process dropped (not spilled) for capacity
         self.disk_full = 0  # ENOSPC answered by evicting and retrying
+        self.reserve_dry = 0  # puts that found no ready segment (a spilling tier: skipped)
         self._warn = RateLimitedLog(log, 30.0)
         self._lock = threading.Lock()  # guards the counters above
-        self._last: Lease | None = None  # where the last put left off: tried first
+        self._last: Lease | None = None  # where the last lease given back left off
+        # leases kept between puts (one per thread putting at once), given back when idle
+        # by the cleaner; a forked child starts with none (they are its parent's)
+        self._kept: list[Lease] = []
+        self._kept_pid = os.getpid()
+        self._kept_lock = threading.Lock()
         # Segments hold the largest value the caller will put (``value_bytes``, 0: not
         # known): refused before anything is created when fewer than MIN_SEGMENTS fit.
         need = segment_for(value_bytes)
@@ -249,12 +266,19 @@ class Tier:
         self.capacity_bytes = self.count * self.segment_bytes
         cls = MappedSegments if mapped else FileSegments
         self.files = cls(self._dir, self.path, self.segment_bytes, file_mode)
-        self._ticks = self._open_ticks(file_mode)
+        stamps = self._open_ticks(file_mode)
+        self._ticks = stamps[:MAX_SEGMENTS]
+        self._shared = stamps[MAX_SEGMENTS:]
+        self._shared_base = tuple(self._shared)
+        stamps.release()
+        # a spilling tier keeps segments ready so that no put empties one (.segment_cleaner)
+        self.reserve = reserve_for(self.count) if spill is not None else 0
+        self.cleaner = SegmentCleaner(self)
         self._warmer: threading.Thread | None = None
         self._stop_warming = threading.Event()
         if not self.index.read_only:
             self._shrink()
-            if mapped and on_tmpfs(self.path):
+            if warm and mapped and on_tmpfs(self.path):
                 self._warmer = threading.Thread(
                     target=_warm,
                     args=(weakref.ref(self), self.count),
@@ -295,7 +319,7 @@ class Tier:
     def _open_ticks(self, file_mode: int) -> memoryview:
         """The shared last-use stamps, one u64 per segment (``lru``): written without a
         lock (an 8-byte aligned store), read when a victim is picked."""
-        size = MAX_SEGMENTS * _TICK.size
+        size = (MAX_SEGMENTS + _SHARED_COUNTS) * _TICK.size
         where = os.path.join(self.path, "lru")
         try:  # created exclusively, checked once open (ownership)
             fd = open_file("lru", self._dir, where, file_mode, create=True)[0]
@@ -332,7 +356,9 @@ class Tier:
         limit = self.segment_bytes - RECORD_HEADER
         out = [len(p) <= limit for _d, _h, p in records]
         pending = [i for i, fits in enumerate(out) if fits]
-        lease: Lease | None = None
+        if not pending:
+            return out
+        lease = self._take_kept()
         relieved = False
         try:
             while pending:
@@ -346,15 +372,50 @@ class Tier:
                     self._relieve(sum(record_bytes(len(records[i][2])) for i in pending), cause)
                     relieved = True
                     continue
-                if not taken:  # every segment is some live process's lease
+                if not taken:  # no segment ready (being emptied, or live processes' leases)
                     for i in pending:
                         out[i] = False
                     break
                 pending = pending[taken:]
         finally:
             if lease is not None:
-                self._seal(lease)
+                self._keep(lease, max(record_bytes(len(records[i][2])) for i in range(len(out))))
         return out
+
+    def _take_kept(self) -> Lease | None:
+        """A lease this process kept from an earlier put, if one is free."""
+        with self._kept_lock:
+            if self._kept_pid != os.getpid():  # a forked child: those are its parent's
+                self._kept, self._kept_pid, self._last = [], os.getpid(), None
+            return self._kept.pop() if self._kept else None
+
+    def _keep(self, lease: Lease, need: int) -> None:
+        """Keep ``lease`` for the next put (the cleaner gives it back when idle), or give it
+        back now when it has no room for a record of ``need`` bytes (the largest of this
+        put: the next one is likely alike), so that the segment can be evicted."""
+        if lease.end + need > self.segment_bytes:
+            self._seal_quietly(lease)
+            return
+        lease.used = time.monotonic()
+        with self._kept_lock:
+            if self._kept_pid == os.getpid():
+                self._kept.append(lease)
+                lease = None  # type: ignore[assignment]
+        if lease is not None:
+            self._seal_quietly(lease)
+            return
+        self.cleaner.ensure_started()
+
+    def release_idle_leases(self, idle_s: float = LEASE_IDLE_S) -> None:
+        """Give back the kept leases unused for ``idle_s`` (the cleaner, and close with 0)."""
+        cutoff = time.monotonic() - idle_s
+        with self._kept_lock:
+            if self._kept_pid != os.getpid():
+                return
+            idle = [lease for lease in self._kept if lease.used <= cutoff]
+            self._kept = [lease for lease in self._kept if lease.used > cutoff]
+        for lease in idle:
+            self._seal_quietly(lease)
 
     def _append(
         self, lease: Lease | None, records: Sequence[Record], pending: list[int], framed: bool
@@ -391,8 +452,7 @@ class Tier:
                 self.files.cut(seg, lease.end)  # a partly written batch: space back
                 where = self.files.where(seg)
                 raise StoreError(f"{self.name} tier: cannot write {where!r}: {exc}") from exc
-            last = len(batch) == len(pending)  # the put's last batch: released with it
-            if not self.index.publish(seg, gen, os.getpid(), locs, lease.end, end, last):
+            if not self.index.publish(seg, gen, os.getpid(), locs, lease.end, end):
                 raise StoreError(f"{self.name} tier: lost segment {seg} mid-write")
             self.index.flush()
         except BaseException:
@@ -400,9 +460,6 @@ class Tier:
             raise
         lease.end = end
         self.touch(seg)
-        if last:
-            self._last = Lease(seg, gen, end)
-            return None, len(batch)
         return lease, len(batch)
 
     def _write(self, lease: Lease, batch: list[Record], end: int, framed: bool) -> None:
@@ -496,10 +553,12 @@ class Tier:
         return row.owner == 0 or (row.owner != os.getpid() and not pid_alive(row.owner))
 
     def _new_lease(self, need: int) -> Lease | None:
-        """A segment to append to, for the rest of one put: the most recently used one
-        that nobody writes and that has room, else a never-used one, else the least
-        recently used one nobody writes (emptied first). None when live processes write
-        every segment."""
+        """A segment to append to (kept between puts): the most recently used one that
+        nobody writes and that has room, else a never-used or emptied one, else (a tier
+        that does not spill) the least recently used one nobody writes, emptied here: an
+        index transaction. A spilling tier never empties one here: its cleaner keeps
+        emptied ones ready (:mod:`.segment_cleaner`) and is woken whenever one is taken.
+        None when no segment is ready, or live processes write every segment."""
         me = os.getpid()
         last = self._last  # the segment this process appended to last, as it left it
         if last is not None and last.end + need <= self.segment_bytes:
@@ -524,24 +583,145 @@ class Tier:
             if fresh is not None:
                 gen = self.index.claim(fresh, None, me, empty=True)
                 if gen is not None:
-                    return self._leased(fresh, gen, 0)
+                    return self._leased(fresh, gen, 0, ready=True)
+                continue
+            ready = [f for f in free if not f[2].end]  # emptied ahead (the reserve)
+            if ready:
+                _tick, seg, row = ready[0]
+                gen = self.index.claim(seg, row, me, empty=False)
+                if gen is not None:
+                    return self._leased(seg, gen, 0, ready=True)
                 continue
             if not free:
-                return None
+                break
+            if self.spill is not None:
+                break  # the reserve ran dry: skipped, never a spill on this thread
             _tick, seg, row = min(free)
             gen = self._empty(seg, row, remove=False)
             if gen is not None:
                 return self._leased(seg, gen, 0)
+        if self.spill is not None:
+            with self._lock:
+                self.reserve_dry += 1
+            self.cleaner.wake()
         return None
 
-    def _leased(self, seg: int, gen: int, end: int) -> Lease:
+    def adopt(self, src: memoryview, live: Sequence[Held]) -> bool:
+        """Take a whole segment of another tier being emptied (a spill): ``src`` is its
+        records from offset 0 (the same record layout as here), ``live`` the values among
+        them still current there. One write of ``src`` into a segment here, then one
+        index transaction publishing ``live`` at the same offsets (shifted by where the
+        write went; a key already current here keeps its value). Its other records are
+        written too but never published (dead bytes until the segment is reused). False
+        when ``src`` is larger than a segment here or every segment is a live process's
+        lease: the caller then spills value by value. StoreError when the write fails
+        (ENOSPC: least recently used segments are emptied and it is tried once more)."""
+        n = len(src)
+        if n > self.segment_bytes or n & 63:
+            return False
+        me = os.getpid()
+        for attempt in range(2):
+            lease = self._new_lease(n)
+            if lease is None:
+                return False
+            seg, gen, start = lease.seg, lease.gen, lease.end
+            try:
+                try:
+                    self.files.new_batch()
+                    self.files.write(seg, start, [src])
+                    if self.fsync:
+                        self.files.sync(seg)
+                except OSError as exc:
+                    self.files.cut(seg, start)
+                    if exc.errno != errno.ENOSPC or attempt:
+                        raise StoreError(
+                            f"{self.name} tier: cannot write {self.files.where(seg)!r}: {exc}"
+                        ) from exc
+                    self._seal_quietly(lease)
+                    lease = None
+                    self._relieve(n, exc)
+                    continue
+                pack = LOC.pack
+                locs = [(d, pack(seg, gen, start + off, size)) for d, off, size in sorted(live)]
+                if not self.index.publish(seg, gen, me, locs, start, start + n):
+                    raise StoreError(f"{self.name} tier: lost segment {seg} mid-write")
+                lease.end = start + n
+                self.touch(seg)
+            finally:
+                if lease is not None:
+                    self._seal_quietly(lease)
+            return True
+        return False
+
+    def spec(self) -> dict[str, object]:
+        """What opens this tier again in another process (the cleaner process)."""
+        return {
+            "name": self.name, "path": self.path, "capacity_bytes": self.capacity_bytes,
+            "segment_bytes": self.segment_bytes, "mapped": self.mapped, "fsync": self.fsync,
+            "dir_mode": self.dir_mode, "file_mode": self.file_mode,
+        }  # fmt: skip
+
+    def take_spill(self, view: memoryview, live: list[Held]) -> None:
+        """The :data:`Spill` of the tier above (the memory tier over the disk tier): a
+        segment in one write (:meth:`adopt`), or value by value when this tier's segments
+        are smaller (a directory created with an older size). The first value wins."""
+        if self.adopt(view, live):
+            return
+        records: list[Record] = [
+            (d, bytes(view[off + FRAME_AT : off + RECORD_HEADER]),
+             view[off + RECORD_HEADER : off + FRAME_AT + size])
+            for d, off, size in live
+        ]  # fmt: skip
+        present = self.lookup([d for d, _h, _p in records])
+        self.put([r for r, loc in zip(records, present, strict=True) if loc is None], framed=True)
+
+    def reserve_short(self) -> bool:
+        """Whether the reserve lacks segments that could be emptied now (tools, tests)."""
+        if not self.reserve:
+            return False
+        rows = self.index.segments()
+        ready = self.count - sum(1 for s in rows if s < self.count)
+        ready += sum(
+            1 for s, r in rows.items() if s < self.count and not r.end and self._takeable(r)
+        )
+        victims = any(s < self.count and r.end and self._takeable(r) for s, r in rows.items())
+        return ready < self.reserve and victims
+
+    def _leased(self, seg: int, gen: int, end: int, ready: bool = False) -> Lease:
+        """A new lease of ``seg``; ``ready``: one taken from the reserve (or never used),
+        so the cleaner is woken to make another (a tier that spills)."""
         self.touch(seg)
+        if ready and self.reserve:
+            self.cleaner.wake()
         return Lease(seg, gen, end)
 
-    def _empty(self, seg: int, row: SegRow, remove: bool) -> int | None:
+    def empty_one_for_reserve(self) -> bool:
+        """One step of the cleaner (:mod:`.segment_cleaner`): when fewer than
+        :attr:`reserve` segments are ready (never used, or emptied and nobody's), spill and
+        empty the least recently used one nobody writes, and give it back ready. True when
+        it emptied one (call again), False when the reserve is full or nothing can be
+        emptied now."""
+        rows = self.index.segments()
+        ready = self.count - sum(1 for s in rows if s < self.count)
+        victims = []
+        for seg, row in rows.items():
+            if seg < self.count and self._takeable(row):
+                if row.end:
+                    victims.append((self._ticks[seg], seg, row))
+                else:
+                    ready += 1
+        if ready >= self.reserve:
+            return False
+        for _tick, seg, row in sorted(victims):
+            if self._empty(seg, row, remove=False, release=True) is not None:
+                return True
+        return False
+
+    def _empty(self, seg: int, row: SegRow, remove: bool, release: bool = False) -> int | None:
         """Take ``seg`` from its (dead or absent) owner, spill its live values, start it
         over (and remove its file when ``remove``): the new generation, owned by this
-        process (released again when ``remove``), or None when another process took it."""
+        process (given back again when ``remove`` or ``release``), or None when another
+        process took it."""
         me = os.getpid()
         if row.end and self.spill is not None:
             # held while its values are copied out, so that no writer appends meanwhile
@@ -557,30 +737,31 @@ class Tier:
         gen, dropped = emptied
         if self.spill is None and dropped:
             with self._lock:
-                self.evictions += dropped
-        if remove:
+                self._dropped += dropped
+        if remove or release:
             self.index.release(seg, gen, me)
+        if remove:
             self.files.remove(seg)
         return gen
 
-    def _spill(self, seg: int, live: list[tuple[bytes, int, int]]) -> None:
-        """Hand the live values to ``spill`` (counted evicted when that fails)."""
+    def _spill(self, seg: int, live: list[Held]) -> None:
+        """Hand the segment's records up to its last live one, and the live ones, to
+        ``spill`` (counted evicted when that fails). A mapped segment is handed as its
+        mapping: the disk write reads it from there, no copy in between."""
         assert self.spill is not None
         try:
-            batch: list[Record] = []
-            for digest, off, size in live:
-                frame = memoryview(self.files.read(seg, off + FRAME_AT, size))
-                batch.append((digest, bytes(frame[:HEADER_SIZE]), frame[HEADER_SIZE:]))
-            self.spill(batch)
-            with self._lock:
-                self.spilled += len(live)
+            end = (max(off + FRAME_AT + size for _d, off, size in live) + 63) & ~63
+            view = self.files.mapping(seg, end)
+            if view is None:
+                view = memoryview(self.files.read(seg, 0, end))
+            self.spill(view[:end], live)
+            self._count_shared(len(live), 0)
             return
         except (StoreError, CorruptValue, OSError) as exc:
             self._warn.warning(
                 "spill", "%s tier: spilling segment %d failed: %s", self.name, seg, exc
             )
-        with self._lock:
-            self.evictions += len(live)
+        self._count_shared(0, len(live))
 
     def _relieve(self, need: int, exc: OSError) -> None:
         """ENOSPC: empty least recently used segments and remove their files until ``need``
@@ -609,6 +790,29 @@ class Tier:
         )
 
     # -- reads ------------------------------------------------------------------------------
+
+    def _count_shared(self, spilled: int, dropped: int) -> None:
+        """Add to the tier's shared counts. Not atomic across processes: two cleaners that
+        finish a spill in the same instant may count one of them short (a statistic, not
+        a state anything acts on)."""
+        counts = self._shared
+        counts[0] += spilled
+        counts[1] += dropped
+
+    @property
+    def spilled(self) -> int:
+        """Values spilled from this tier since this process opened it, by any process."""
+        return self._shared[0] - self._shared_base[0]
+
+    @property
+    def evictions(self) -> int:
+        """Values dropped, not spilled, since this process opened the tier: by this process
+        for capacity, or by any process's failed spill."""
+        return self._dropped + self._shared[1] - self._shared_base[1]
+
+    def stamps(self) -> bytes:
+        """The recency stamps of every segment: changes whenever a put or a hit lands."""
+        return self._ticks[: self.count].tobytes()
 
     def touch(self, seg: int) -> None:
         self._ticks[seg] = time.time_ns()
@@ -655,6 +859,13 @@ class Tier:
             self._stop_warming.set()
             warmer.join()
 
+    def quiesce(self) -> None:
+        """Stop this process's background work on the tier (the warmer, the cleaner, each
+        finishing what it is doing) and give back the leases it keeps."""
+        self.stop_warming()
+        self.cleaner.stop()
+        self.release_idle_leases(idle_s=-1.0)
+
     def trim(self, keep_bytes: int, deadline: float) -> int:
         """Shrink the tier to at most ``keep_bytes`` of segment files, for the time no
         process uses it (the last one's close, :mod:`.memory_tiers`; the caller holds the
@@ -663,7 +874,7 @@ class Tier:
         ``deadline`` (``time.monotonic``), and its file is removed, as is every segment
         file holding nothing. Values dropped without a spill (past the deadline): returned,
         and counted in ``evictions``."""
-        self.stop_warming()
+        self.quiesce()
         rows = self.index.segments()
         used = sorted(
             ((self._ticks[seg], seg) for seg, row in rows.items() if row.end),
@@ -688,17 +899,18 @@ class Tier:
                 lost += dropped[1]
                 self.index.release(seg, dropped[0], me)
         with self._lock:
-            self.evictions += lost
+            self._dropped += lost
         for name in os.listdir(self._dir):
             if name.startswith("seg-") and name[4:].isdigit() and int(name[4:]) not in keep:
                 self.files.remove(int(name[4:]))
         return lost
 
     def close(self) -> None:
-        self.stop_warming()
+        self.quiesce()
         self.files.close()
         self.index.close()
         self._ticks.release()
+        self._shared.release()
         try:
             self._ticks_map.close()
         except BufferError:

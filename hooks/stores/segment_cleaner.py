@@ -1,0 +1,241 @@
+"""The cleaner of one tier: keeps the emptying of segments and idle leases off the put path.
+
+Two jobs, both things a put used to do (or leave undone) on its own thread:
+
+* **The reserve** (a tier that spills: the memory tier). Empty segments are kept ready
+  ahead of need, like a database's page cleaner: whenever fewer than
+  :attr:`Tier.reserve` are ready, the least recently used segment is spilled to the next
+  tier in one write (:meth:`Tier.adopt`) and emptied. A put never spills: when the
+  reserve runs dry faster than the disk takes the spills, the put's values are answered
+  False at once (skipped, counted in ``reserve_dry``), which the dump scheduler records as
+  a request not stored. Before, a put needing a segment spilled a whole one first, on the
+  dump thread (docs/CONNECTOR.md#a-full-store-spills-off-the-put-path: the measurements).
+* **Idle leases.** A process keeps the segment it appends to between puts: one index
+  transaction per put instead of three, and no segment handed back and forth between
+  processes. A lease left unused for :data:`LEASE_IDLE_S` is given back by a thread of
+  the process, so that an idle process does not keep a segment from eviction.
+
+**The reserve is refilled by a process of its own** (:mod:`.cleaner_process`), started by
+the first put, not by a thread. Measured (docs/CONNECTOR.md): beside a thread that runs
+Python without pause, as a dump thread or vLLM's forward does, a cleaner thread spilled
+at a fraction of what a process did, because each of its system calls and index
+transactions gives up the GIL and waits up to the switch interval to get it back. Where
+the process cannot be started, a thread of the writer does its work, with a warning.
+
+Each writing process has its cleaner, and they refill the one reserve at once: measured
+with 2 and 4 writers on 2 cores, one cleaner at a time (an ``flock``) got a share of the
+CPU that fell with every writer added, and the host's put rate with it; several spill
+at the rate of the disk. Emptying is the tier's compare-and-set on the index
+(:meth:`SegmentIndex.claim`), so two cleaners never spill one segment twice, and a
+cleaner killed mid-spill leaves its segment to the next one: its pid is dead, so the
+segment is free to take, and its values stay indexed where they were until then. A
+cleaner process that dies is started again by its writer (the reserve would stay dry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Protocol
+
+from ucm_patch.hooks.ratelimit import RateLimitedLog
+from ucm_patch.hooks.stores.base import StoreError
+
+log = logging.getLogger(__name__)
+
+#: A lease kept this long without a put is given back (the segment can then be evicted).
+LEASE_IDLE_S = 1.0
+#: How often the thread of a process looks at its idle leases.
+POLL_S = 0.25
+#: Longest a close waits for the cleaner process to finish its segment before killing it.
+STOP_S = 10.0
+_CHILD = (
+    "import json, sys; a = json.loads(sys.argv[1]); sys.path[:0] = a['sys_path']; "
+    "from ucm_patch.hooks.stores.cleaner_process import main; main(a)"
+)
+
+
+class Cleaned(Protocol):
+    """What the cleaner uses of a tier (:class:`~ucm_patch.hooks.stores.tier.Tier`)."""
+
+    name: str
+    path: str
+    reserve: int
+
+    def spec(self) -> dict[str, Any]: ...
+    def release_idle_leases(self, idle_s: float = ...) -> None: ...
+    def empty_one_for_reserve(self) -> bool: ...
+    def reserve_short(self) -> bool: ...
+
+
+def reserve_for(count: int) -> int:
+    """Empty segments a spilling tier of ``count`` segments keeps ready: an eighth of them,
+    at least 2 (a put taking one while the other is refilled), at most half."""
+    return max(1, min(count // 2, max(2, count // 8)))
+
+
+def refill(tier: Cleaned, stopping: threading.Event | None = None) -> None:
+    """Empty segments until the reserve is full (or ``stopping`` is set). The cleaners of
+    several writers run at once: each empties another segment (the index's
+    compare-and-set), so the reserve may end a few segments over, never short."""
+    while not (stopping is not None and stopping.is_set()) and tier.empty_one_for_reserve():
+        pass
+
+
+def _end(proc: subprocess.Popen[bytes], parent: int) -> None:
+    """Stop a cleaner process started by ``parent`` (not a forked child's to stop):
+    SIGTERM (it finishes its segment), SIGKILL after STOP_S."""
+    if parent != os.getpid() or proc.poll() is not None:
+        return
+    with contextlib.suppress(OSError):
+        proc.terminate()
+    try:
+        proc.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class SegmentCleaner:
+    """A tier's cleaner in this process: the lease thread, and the reserve's process
+    (:meth:`use_process`) or, where that cannot run, the thread refilling it too."""
+
+    def __init__(self, tier: Cleaned) -> None:
+        self._tier = weakref.ref(tier)
+        self._name = f"ucm-{tier.name}-tier-cleaner"
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._spec: dict[str, Any] | None = None  # the two tiers, for the process
+        self._spawn_failed = False
+        self._pid = os.getpid()
+        self._start_lock = threading.Lock()
+        self._warn = RateLimitedLog(log, 30.0)
+
+    def use_process(self, spill_tier: Cleaned) -> None:
+        """Refill the reserve in a process of its own, which spills into ``spill_tier``."""
+        tier = self._tier()
+        if tier is not None:
+            self._spec = {"memory": tier.spec(), "disk": spill_tier.spec()}
+
+    @property
+    def pid(self) -> int | None:
+        """The cleaner process's pid, None when there is none (tests, tools)."""
+        proc = self._proc
+        return proc.pid if proc is not None and self._pid == os.getpid() else None
+
+    def wake(self) -> None:
+        """A ready segment was taken, or none was left: the reserve needs refilling."""
+        self.ensure_started()
+        if self._proc is None:
+            self._wake.set()
+
+    def ensure_started(self) -> None:
+        """Start what this process lacks: the lease thread, and the reserve's process."""
+        if self._thread is not None and self._pid == os.getpid():
+            if self._proc is not None or self._spec is None or self._spawn_failed:
+                return
+        with self._start_lock:
+            if self._pid != os.getpid():  # a forked child: its parent's helpers are not its
+                self._pid, self._thread, self._proc = os.getpid(), None, None
+            if self._stop.is_set():
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            tier = self._tier()
+            if tier is not None and tier.reserve and self._spec is not None:
+                if self._proc is None and not self._spawn_failed:
+                    self._proc = self._spawn(tier)
+
+    def _spawn(self, tier: Cleaned) -> subprocess.Popen[bytes] | None:
+        args = {"parent": os.getpid(), "sys_path": sys.path, **(self._spec or {})}
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, json.dumps(args)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        except OSError as exc:
+            self._spawn_failed = True
+            log.warning(
+                "%s tier %s: cleaner process not started (%s): a thread refills the reserve "
+                "(spills compete with this process for the GIL)", tier.name, tier.path, exc,
+            )  # fmt: skip
+            return None
+        # a tier dropped without close() (a test's, a tool's) ends its cleaner with it
+        weakref.finalize(tier, _end, proc, os.getpid())
+        return proc
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Wait until the reserve is full or nothing more can be emptied now (tests,
+        tools, benchmarks that start on a quiet store): False on timeout."""
+        tier = self._tier()
+        if tier is None:
+            return True
+        deadline = time.monotonic() + timeout
+        self.wake()
+        while tier.reserve_short():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def stop(self) -> None:
+        """Stop the thread and the process, each finishing the segment it is on."""
+        self._stop.set()
+        self._wake.set()
+        mine = self._pid == os.getpid()  # a forked child has neither to wait for
+        thread, proc = self._thread, self._proc
+        if thread is not None and mine and thread is not threading.current_thread():
+            thread.join()
+        if proc is not None and mine:
+            self._proc = None
+            _end(proc, os.getpid())
+
+    def _restart_if_dead(self, tier: Cleaned) -> None:
+        """A cleaner process that died (killed, out of memory) is started again, at most
+        once per :data:`POLL_S`: without it the reserve would stay dry for good."""
+        proc = self._proc
+        if proc is None or proc.poll() is None:
+            return
+        log.warning(
+            "%s tier %s: cleaner process %d ended (status %s): starting another",
+            tier.name, tier.path, proc.pid, proc.returncode,
+        )  # fmt: skip
+        with self._start_lock:
+            if self._proc is proc and not self._stop.is_set():
+                self._proc = self._spawn(tier)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            tier = self._tier()
+            if tier is None:
+                return
+            try:
+                tier.release_idle_leases()
+                self._restart_if_dead(tier)
+                if tier.reserve and self._proc is None:
+                    refill(tier, self._stop)
+            except (StoreError, OSError) as exc:
+                self._warn.warning(
+                    "round", "%s tier %s: cleaner round failed: %s", tier.name, tier.path, exc
+                )
+            finally:
+                del tier
+
+
+__all__ = ["LEASE_IDLE_S", "Cleaned", "SegmentCleaner", "refill", "reserve_for"]

@@ -1,0 +1,282 @@
+"""The memory tier's cleaner: no put spills or waits for a disk write, a writer keeps its
+segment between puts, and nothing stored is lost when a writer or its cleaner is killed.
+
+The cleaner is a process of its own (hooks/stores/segment_cleaner.py). Stalling it with
+SIGSTOP stands for a disk slower than the puts: the reserve runs dry, and puts must still
+return at once (their values skipped and counted), never wait for a spill.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ucm_patch.hooks.stores.local import LocalStore
+from ucm_patch.hooks.stores.segment_index import SegmentIndex, pid_alive
+from ucm_patch.hooks.stores.tier import Tier, record_bytes
+
+SEG = 64 << 10
+VALUE = 8 << 10
+PER_SEG = SEG // record_bytes(VALUE)
+
+
+def value_of(key: str) -> bytes:
+    return hashlib.blake2b(key.encode()).digest() * (VALUE // 64)
+
+
+def _store(root: Path, disk_segments: int = 64) -> LocalStore:
+    return LocalStore(
+        root / "kv", capacity_bytes=disk_segments * SEG, memory_bytes=8 * SEG,
+        memory_path=root / "shm", segment_bytes=SEG,
+    )  # fmt: skip
+
+
+def _put_all(store: LocalStore, keys: list[str]) -> None:
+    """Put each key; a put the reserve had no segment for (False) is put again once the
+    cleaner has refilled it: what a caller that must store everything does."""
+    assert store.memory is not None
+    for k in keys:
+        while store.put_many([(k, value_of(k))]) != [True]:
+            assert store.memory.cleaner.wait_idle(60)
+
+
+def test_no_put_spills_in_the_putting_process(tmp_path: Path, monkeypatch) -> None:
+    """Values leave the full memory tier for the disk tier, and not one spill ran in the
+    process that puts: the cleaner process did them all (before, the put that needed a
+    segment spilled a whole one on its own thread)."""
+    spills: list[str] = []
+    real = Tier._spill
+
+    def spy(self: Tier, seg: int, live: list) -> None:  # type: ignore[type-arg]
+        spills.append(threading.current_thread().name)
+        real(self, seg, live)
+
+    monkeypatch.setattr(Tier, "_spill", spy)
+    s = _store(tmp_path)
+    keys = [f"k{i}" for i in range(5 * 8 * PER_SEG)]  # five times the memory tier
+    _put_all(s, keys)
+    assert s.memory is not None and s.memory.cleaner.pid is not None
+    assert spills == [], f"spilled in the putting process, on {set(spills)}"
+    assert s.stats["spilled"] >= len(keys) - 8 * PER_SEG  # counted by the cleaner
+    assert s.get_many(keys) == [value_of(k) for k in keys]
+    assert s.stats["evictions"] == 0 and s.stats["corrupt"] == 0
+    s.close()
+
+
+def test_a_dry_reserve_skips_at_once_and_never_waits(tmp_path: Path) -> None:
+    """The cleaner stopped (SIGSTOP: a disk that takes nothing): once the memory tier is
+    full, puts answer False at once, counted in skipped_full and reserve_dry, and return
+    while the cleaner is still stopped. Let go, it refills the reserve and puts store
+    again; every value answered True is readable."""
+    s = _store(tmp_path)
+    assert s.memory is not None
+    _put_all(s, ["first"])
+    pid = s.memory.cleaner.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    answers: dict[str, bool] = {}
+
+    def put_many_values() -> None:
+        for i in range(3 * 8 * PER_SEG):
+            k = f"v{i}"
+            answers[k] = s.put_many([(k, value_of(k))]) == [True]
+
+    try:
+        putter = threading.Thread(target=put_many_values)
+        putter.start()
+        putter.join(60)
+        assert not putter.is_alive(), "a put waited for the stopped cleaner"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    skipped = [k for k, ok in answers.items() if not ok]
+    assert skipped, "the memory tier never ran dry"
+    assert s.stats["skipped_full"] == len(skipped) and s.stats["reserve_dry"] >= 1
+    stored = [k for k, ok in answers.items() if ok]
+    assert len(stored) <= 8 * PER_SEG  # nothing went anywhere but the memory tier
+    assert s.get_many(stored) == [value_of(k) for k in stored]
+    assert s.memory.cleaner.wait_idle(60)
+    _put_all(s, ["after"])
+    assert s.get_many(["after", *stored]) == [value_of(k) for k in ["after", *stored]]
+    s.close()
+
+
+def test_values_stay_readable_until_evicted_by_recency(tmp_path: Path) -> None:
+    """Across the spill, a value answered True is readable until it is evicted by the
+    recency order: with a disk tier that holds a fraction of what was put, the readable
+    keys are exactly the newest ones (a suffix of the put order), and far more than the
+    memory tier holds."""
+    s = _store(tmp_path, disk_segments=16)
+    keys = [f"r{i}" for i in range(10 * 8 * PER_SEG)]
+    _put_all(s, keys)
+    got = s.get_many(keys)
+    readable = [i for i, v in enumerate(got) if v is not None]
+    assert all(got[i] == value_of(keys[i]) for i in readable)
+    assert readable == list(range(readable[0], len(keys))), "a newer value was lost"
+    assert len(readable) > 8 * PER_SEG
+    s.close()
+
+
+def test_a_writer_keeps_its_segment_between_puts(tmp_path: Path, monkeypatch) -> None:
+    """Writers that add up: in steady state a put is one index transaction (its publish);
+    the lease is taken once per segment, not claimed and given back around every put."""
+    counts = {"claim": 0, "release": 0, "publish": 0}
+    for name in counts:
+        real = getattr(SegmentIndex, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):  # type: ignore[no-untyped-def]
+            counts[_name] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(SegmentIndex, name, counted)
+    s = LocalStore(tmp_path / "kv", capacity_bytes=256 * SEG, segment_bytes=SEG)
+    puts = 4 * PER_SEG
+    for i in range(puts):
+        assert s.put_many([(f"p{i}", value_of(f"p{i}"))]) == [True]
+    assert counts["publish"] == puts
+    assert counts["claim"] <= 5 and counts["release"] <= 5, counts
+    s.close()
+
+
+# -- killed processes -------------------------------------------------------------------------
+
+
+#: Values a killed-process test's writer stores at most, and a disk tier holding every
+#: writer's: nothing is evicted, so every value answered True must be readable.
+WRITER_VALUES, ROUNDS = 6000, 3
+KILL_DISK_SEGMENTS = ROUNDS * WRITER_VALUES // PER_SEG + 64
+
+
+def _writer(root: str) -> None:
+    """Puts until it stored WRITER_VALUES, printing its cleaner's pid once and every key
+    answered True; then waits to be killed."""
+    s = _store(Path(root), KILL_DISK_SEGMENTS)
+    assert s.memory is not None
+    n = done = 0
+    while done < WRITER_VALUES:
+        k = f"w{os.getpid()}-{n}"
+        if s.put_many([(k, value_of(k))]) == [True]:
+            print(k, flush=True)
+            done += 1
+        if n == 0:
+            print(f"cleaner {s.memory.cleaner.pid}", flush=True)
+        n += 1
+    time.sleep(3600)
+
+
+def _start_writer(root: Path) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--writer", str(root)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("cleaner "):
+            return proc, int(line.split()[1])
+    raise AssertionError("the writer died before its first put")
+
+
+def _collect(proc: subprocess.Popen[str]) -> list[str]:
+    """Every key the writer prints, gathered by a thread until its stdout closes."""
+    keys: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        keys.extend(line.strip() for line in proc.stdout if line.strip())
+
+    threading.Thread(target=read, daemon=True).start()
+    return keys
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (a container's first process may not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return not pid_alive(pid)
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while not _exited(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("victim", ["cleaner", "writer"])
+def test_killed_mid_spill_loses_nothing_stored(tmp_path: Path, victim: str) -> None:
+    """SIGKILL at random moments of a full store's steady state (the cleaner spilling a
+    segment every few puts): the cleaner itself, or the writer whose cleaner it is. Every
+    value the writer was answered True for stays readable (from either tier), none reads
+    corrupt, a writer's cleaner never outlives it, and a new writer stores again (the
+    segment the dead cleaner held is taken over)."""
+    rng = random.Random(20261127)
+    stored: list[str] = []
+    for _round in range(ROUNDS):
+        proc, cleaner = _start_writer(tmp_path)
+        keys = _collect(proc)
+        time.sleep(rng.uniform(0.05, 0.3))
+        os.kill(cleaner if victim == "cleaner" else proc.pid, signal.SIGKILL)
+        if victim == "cleaner":  # the writer goes on, and starts another cleaner
+            assert _gone(cleaner)
+            count = len(keys)
+            deadline = time.monotonic() + 30
+            while len(keys) < min(count + 4 * 8 * PER_SEG, WRITER_VALUES - 1):  # spills again
+                assert time.monotonic() < deadline, "the writer stayed dry: no new cleaner"
+                time.sleep(0.05)
+            proc.kill()
+        proc.wait(30)
+        time.sleep(0.2)  # the reader thread drains the pipe
+        stored += keys
+        assert _gone(cleaner), "the cleaner outlived its writer"
+        s = _store(tmp_path, KILL_DISK_SEGMENTS)
+        got = s.get_many(stored)
+        lost = [k for k, v in zip(stored, got, strict=True) if v != value_of(k)]
+        assert not lost, f"{len(lost)} stored values lost, e.g. {lost[:3]}"
+        assert s.stats["corrupt"] == 0
+        s.close()
+    s = _store(tmp_path, KILL_DISK_SEGMENTS)
+    _put_all(s, [f"after-{i}" for i in range(3 * 8 * PER_SEG)])
+    assert s.get_many(stored) == [value_of(k) for k in stored]
+    s.close()
+
+
+def test_the_cleaner_process_never_outlives_its_store(tmp_path: Path) -> None:
+    """Closed, the store stops its cleaner; dropped without close, the cleaner ends with
+    it; and a cleaner whose tier directory was removed behind it ends too (it never makes
+    the directory again)."""
+    s = _store(tmp_path / "a")
+    _put_all(s, ["x"])
+    closed = s.memory.cleaner.pid  # type: ignore[union-attr]
+    s.close()
+    assert closed is not None and _exited(closed)
+    s = _store(tmp_path / "b")
+    _put_all(s, ["x"])
+    dropped = s.memory.cleaner.pid  # type: ignore[union-attr]
+    del s
+    gc.collect()
+    assert dropped is not None and _gone(dropped)
+    s = _store(tmp_path / "c")
+    _put_all(s, ["x"])
+    orphan = s.memory.cleaner.pid  # type: ignore[union-attr]
+    assert orphan is not None
+    shutil.rmtree(tmp_path / "c" / "shm")
+    assert _gone(orphan) and not (tmp_path / "c" / "shm").exists()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--writer"]:
+    _writer(sys.argv[2])
