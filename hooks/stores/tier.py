@@ -679,13 +679,22 @@ class Tier:
         """Whether the reserve lacks segments that could be emptied now (tools, tests)."""
         if not self.reserve:
             return False
+        ready, victims = self._reserve_state()
+        return ready < self.reserve and bool(victims)
+
+    def _reserve_state(self) -> tuple[int, list[tuple[int, int, SegRow]]]:
+        """(segments ready: never used, or emptied and nobody's; the segments that could be
+        emptied now, as (last use, segment, row), least recently used first)."""
         rows = self.index.segments()
         ready = self.count - sum(1 for s in rows if s < self.count)
-        ready += sum(
-            1 for s, r in rows.items() if s < self.count and not r.end and self._takeable(r)
-        )
-        victims = any(s < self.count and r.end and self._takeable(r) for s, r in rows.items())
-        return ready < self.reserve and victims
+        victims = []
+        for seg, row in rows.items():
+            if seg < self.count and self._takeable(row):
+                if row.end:
+                    victims.append((self._ticks[seg], seg, row))
+                else:
+                    ready += 1
+        return ready, sorted(victims)
 
     def _leased(self, seg: int, gen: int, end: int, ready: bool = False) -> Lease:
         """A new lease of ``seg``; ``ready``: one taken from the reserve (or never used),
@@ -701,18 +710,10 @@ class Tier:
         empty the least recently used one nobody writes, and give it back ready. True when
         it emptied one (call again), False when the reserve is full or nothing can be
         emptied now."""
-        rows = self.index.segments()
-        ready = self.count - sum(1 for s in rows if s < self.count)
-        victims = []
-        for seg, row in rows.items():
-            if seg < self.count and self._takeable(row):
-                if row.end:
-                    victims.append((self._ticks[seg], seg, row))
-                else:
-                    ready += 1
+        ready, victims = self._reserve_state()
         if ready >= self.reserve:
             return False
-        for _tick, seg, row in sorted(victims):
+        for _tick, seg, row in victims:
             if self._empty(seg, row, remove=False, release=True) is not None:
                 return True
         return False
