@@ -24,7 +24,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ucm_patch.hooks.stores import segment_files
+from ucm_patch.hooks.stores import tier as tier_module
+from ucm_patch.hooks.stores.cleaner_process import SPILL_WRITE_NICE, SpillWriter
 from ucm_patch.hooks.stores.local import LocalStore
+from ucm_patch.hooks.stores.segment_cleaner import SegmentCleaner
 from ucm_patch.hooks.stores.segment_index import SegmentIndex, pid_alive
 from ucm_patch.hooks.stores.tier import Tier, record_bytes
 
@@ -60,9 +64,9 @@ def test_no_put_spills_in_the_putting_process(tmp_path: Path, monkeypatch) -> No
     spills: list[str] = []
     real = Tier._spill
 
-    def spy(self: Tier, seg: int, live: list) -> None:  # type: ignore[type-arg]
+    def spy(self: Tier, seg: int, live: list) -> tuple[int, int]:  # type: ignore[type-arg]
         spills.append(threading.current_thread().name)
-        real(self, seg, live)
+        return real(self, seg, live)
 
     monkeypatch.setattr(Tier, "_spill", spy)
     s = _store(tmp_path)
@@ -111,6 +115,115 @@ def test_a_dry_reserve_skips_at_once_and_never_waits(tmp_path: Path) -> None:
     _put_all(s, ["after"])
     assert s.get_many(["after", *stored]) == [value_of(k) for k in ["after", *stored]]
     s.close()
+
+
+def test_a_dry_reserve_is_answered_without_reading_the_index(tmp_path: Path, monkeypatch) -> None:
+    """Once a put found the reserve dry, the next puts answer False (counted) without a
+    look at the segment table, until a cleaner has spilled again: with N writers on a
+    full store, a scan per skipped put only took CPU from the spills that refill it.
+    After a spill (the tier's shared counts change) a put reads the index again."""
+    monkeypatch.setattr(tier_module, "DRY_RECHECK_S", 600.0)  # only a spill ends it here
+    s = _store(tmp_path)
+    assert s.memory is not None
+    _put_all(s, ["first"])
+    pid = s.memory.cleaner.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        i = 0
+        while s.put_many([(f"d{i}", value_of(f"d{i}"))]) == [True]:
+            i += 1
+            assert i < 16 * PER_SEG, "the memory tier never ran dry"
+        scans = []
+        real = s.memory.index.segments
+        monkeypatch.setattr(s.memory.index, "segments", lambda: scans.append(1) or real())
+        dry = s.stats["reserve_dry"]
+        answers = [s.put_many([(f"e{j}", value_of(f"e{j}"))]) for j in range(50)]
+        assert answers == [[False]] * 50 and s.stats["reserve_dry"] == dry + 50
+        assert scans == [], f"{len(scans)} scans of the segment table while dry"
+        s.memory._count_shared(1, 0)  # as a cleaner's spill does
+        assert s.put_many([("again", value_of("again"))]) == [False]
+        assert scans, "a spill since did not send the put back to the index"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert s.memory.cleaner.wait_idle(60)
+    _put_all(s, ["after"])
+    assert s.get_many(["after"]) == [value_of("after")]
+    s.close()
+
+
+def test_a_spill_is_counted_once_its_segment_is_ready(tmp_path: Path, monkeypatch) -> None:
+    """Writers read a change of the shared spill counts as "a segment is ready"
+    (test above), so the cleaner counts a spill only once the emptied segment is given
+    back: at that moment the reserve already holds it."""
+    monkeypatch.setattr(SegmentCleaner, "ensure_started", lambda self: None)  # driven here
+    monkeypatch.setattr(SegmentCleaner, "wake", lambda self: None)
+    s = _store(tmp_path)
+    memory = s.memory
+    assert memory is not None
+    i = 0
+    while s.put_many([(f"c{i}", value_of(f"c{i}"))]) == [True]:
+        i += 1
+        assert i < 16 * PER_SEG, "the memory tier never ran dry"
+    memory.release_idle_leases(0)
+    seen: list[tuple[int, int]] = []
+    real = memory._count_shared
+
+    def counted(spilled: int, dropped: int) -> None:
+        seen.append((memory._reserve_state()[0], spilled))
+        real(spilled, dropped)
+
+    monkeypatch.setattr(memory, "_count_shared", counted)
+    before = memory._reserve_state()[0]
+    assert memory.empty_one_for_reserve()
+    assert seen == [(before + 1, PER_SEG)], f"ready segments when counted: {seen}, {before=}"
+    assert s.put_many([("next", value_of("next"))]) == [True]
+    s.close()
+
+
+def test_spill_writes_run_on_a_low_priority_thread(tmp_path: Path) -> None:
+    """The cleaner process writes its spills on a thread at SPILL_WRITE_NICE (so that a
+    put sharing its core runs first), while its own thread, which holds the index's
+    transactions, keeps its parent's priority. The write's error reaches the caller."""
+    writer = SpillWriter()
+    try:
+        got: list[int] = []
+        writer.run(lambda: got.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        assert got == [max(SPILL_WRITE_NICE, os.nice(0))]
+
+        def fails() -> None:
+            raise OSError(28, "no space")
+
+        with pytest.raises(OSError, match="no space"):
+            writer.run(fails)
+    finally:
+        writer.close()
+    s = _store(tmp_path)
+    _put_all(s, [f"n{i}" for i in range(3 * 8 * PER_SEG)])  # the cleaner spilled
+    pid = s.memory.cleaner.pid  # type: ignore[union-attr]
+    assert pid is not None and s.stats["spilled"] > 0
+    nice = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            nice[int(task)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    assert nice[pid] == os.nice(0), nice
+    assert max(SPILL_WRITE_NICE, os.nice(0)) in [n for t, n in nice.items() if t != pid], nice
+    s.close()
+
+
+def test_writeback_starts_from_the_spilling_thread(tmp_path: Path) -> None:
+    """A disk segment's spilled bytes are sent to the device by the thread that wrote
+    them (sync_file_range, found in libc): the kernel's flusher threads, which run at
+    normal priority beside the puts, then have nothing left to write."""
+    assert segment_files._START_WRITEBACK is not None, "sync_file_range not found in libc"
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(fd, os.urandom(1 << 20), 0)
+        start = segment_files._START_WRITEBACK
+        assert start(fd, 0, 1 << 20, segment_files.SYNC_FILE_RANGE_WRITE) == 0
+        assert start(-1, 0, 1 << 20, segment_files.SYNC_FILE_RANGE_WRITE) == -1  # it is called
+    finally:
+        os.close(fd)
 
 
 def test_values_stay_readable_until_evicted_by_recency(tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ read or written (:class:`SegmentLost`).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import logging
@@ -38,6 +40,23 @@ from ucm_patch.hooks.stores.memcopy import copy_bytes
 from ucm_patch.hooks.stores.ownership import ForeignFile, open_file
 
 log = logging.getLogger(__name__)
+
+#: ``sync_file_range(2)``'s "start writeback of the range, do not wait" (Linux; Python's
+#: ``os`` has no binding). None where libc lacks it: writeback is then the kernel's own.
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def _sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_START_WRITEBACK = _sync_file_range()
 
 
 class SegmentLost(OSError):
@@ -197,6 +216,18 @@ class FileSegments:
     def sync(self, seg: int) -> None:
         os.fdatasync(self.fd(seg))
 
+    def start_writeback(self, seg: int, offset: int, n: int) -> None:
+        """Start writing ``n`` bytes at ``offset`` back to the device now, from this
+        thread, without waiting for it (best effort). Why: left to the kernel, dirty pages
+        are written back by its flusher threads, at normal CPU priority, on whichever core
+        they wake; beside a full store's writers, those threads are what preempt a put for
+        several milliseconds (measured: bench_stores, "two tiers", slowest call). Started
+        here, by the cleaner process at low priority (:mod:`.cleaner_process`), the work is
+        that process's, and a device slower than the spills throttles the spills, not the
+        puts (their reserve runs dry and they skip, never wait)."""
+        if _START_WRITEBACK is not None:
+            _START_WRITEBACK(self.fd(seg), offset, n, SYNC_FILE_RANGE_WRITE)
+
     def mapping(self, seg: int, end: int, write: bool = False) -> memoryview | None:
         """The segment's bytes in this process's memory, valid up to ``end`` (None: this
         kind of segment is reached with system calls only)."""
@@ -330,6 +361,9 @@ class MappedSegments(FileSegments):
 
     def sync(self, seg: int) -> None:
         """Memory has nothing to sync to."""
+
+    def start_writeback(self, seg: int, offset: int, n: int) -> None:
+        """Memory has nothing to write back."""
 
     def cut(self, seg: int, end: int) -> None:
         """A mapped segment keeps its pages (they were allocated in full when it was
