@@ -70,11 +70,15 @@ KV_CACHE_BYTES = {"dense": 6 << 30, "hybrid": 4 << 30}
 # With kv_cache_memory_bytes set, vLLM reads this only to check free memory at start.
 GPU_MEMORY_UTILIZATION = 0.1
 LOCK_ENV = "UCM_GPU_CHECK_LOCK"
+# our connector's hit unit, given to the runs without it (the same hit length for all)
+UNIT_ENV = "UCM_GPU_CHECK_UNIT"
 # ``--threads``: the dump and load threads of a column's connector (else its default)
 THREADS_ENV = "UCM_GPU_CHECK_THREADS"
 KILLED = "[gpu-check] killed at the deadline"
 # Host memory for KV, the same for our store's memory tier and vLLM's OffloadingConnector.
 HOST_KV_BYTES = 16 << 30
+# Hits timed after the first one in the load process (median and spread reported).
+STEADY_SAMPLES = 5
 
 # Qwen3-8B's shape (config.json of Qwen/Qwen3-8B), weights random.
 DENSE = {
@@ -291,10 +295,12 @@ def _ttft(llm: Any, ids: list[int], salt: str | None = None) -> dict[str, Any]:
 def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
     import ucm_patch  # activates (UCM_PATCH=0 switches it off), as a user's import would
 
-    kind = {"hooks": "standin", "offload": "offloading"}.get(mode, "ucm")
-    llm = _llm(model, _ktc(kind, store), hybrid)
+    kind = {"hooks": "standin", "offload": "offloading", "plain": "none"}.get(mode, "ucm")
+    llm = _llm(model, None if kind == "none" else _ktc(kind, store), hybrid)
     block = llm.llm_engine.vllm_config.cache_config.block_size
-    unit = block  # a hit is whole chunks of our connector (KVLayout.unit): read it there
+    # a hit is whole chunks of our connector (KVLayout.unit): read it there, and handed
+    # to the runs without it, so that every connector's hit is the same length
+    unit = int(os.environ.get(UNIT_ENV) or block)
     if kind == "ucm":
         from ucm_patch import connector
 
@@ -327,6 +333,8 @@ def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
         out["recompute_ttft"] = _ttft(llm, r, salt="recompute-2")
         connector.wait_for_dumps(600)
     elif mode == "load":
+        conn = connector.active_connectors()[0]
+        _quiet_store(connector, conn.store)  # the tier warmer done, nothing in flight
         before = connector.stats()
         out["hit_ttft"] = _ttft(llm, r)  # first request: the prefix comes from the store
         after = connector.stats()
@@ -335,7 +343,22 @@ def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
             for k in ("lookup_s", "load_read_s", "load_copy_s", "load_stall_s")
         }
         out["load_layerwise"] = after["loads_layerwise"] - before["loads_layerwise"]
+        out["hit_pages"] = after["loaded_pages"] - before["loaded_pages"]
+        out["hit_bytes"] = out["hit_pages"] * max(conn.layout.row_page_bytes)  # dense: all equal
         out["hit"] = _generate(llm, r)  # the loaded blocks, now in vLLM's own cache
+        out["steady"] = _steady_hits(llm, connector, conn.store, r[:shared], STEADY_SAMPLES)
+        out["h2d"] = _h2d_reference(out["hit_bytes"])
+    elif mode == "plain":  # no connector: vLLM as users run it without one
+        recompute, own = [], []
+        _ttft(llm, p)  # P's prefix into vLLM's own prefix cache
+        import random
+
+        rng = random.Random(5)
+        for i in range(STEADY_SAMPLES):
+            recompute.append(_ttft(llm, r, salt=f"plain-{i}")["seconds"])
+            tail = [rng.randrange(4, 100000) for _ in range(PROMPT_LEN - shared)]
+            own.append(_ttft(llm, q[:shared] + tail)["seconds"])  # only the prefix hits
+        out["recompute_s"], out["own_cache_s"] = sorted(recompute), sorted(own)
     elif mode == "offload":
         _ttft(llm, p)
         for _ in range(2):  # let finished requests' offloads complete and free
@@ -345,6 +368,83 @@ def child(mode: str, model: str, store: str, hybrid: bool) -> dict[str, Any]:
         out["hit_ttft"] = _ttft(llm, q)
     else:
         raise ValueError(f"unknown mode {mode!r}")
+    return out
+
+
+def _quiet_store(connector: Any, store: Any) -> None:
+    """Before a timed hit: this process's dumps drained, its memory tier's warmer done
+    (it allocates the tier in the background at start) and the reserve refilled."""
+    connector.wait_for_dumps(600)
+    memory = getattr(store, "memory", None)
+    warmer = getattr(memory, "_warmer", None)
+    if warmer is not None:
+        warmer.join(300)
+    if memory is not None:
+        memory.cleaner.wait_idle(120)
+
+
+def _steady_hits(llm: Any, connector: Any, store: Any, prefix: list[int], n: int) -> dict[str, Any]:
+    """``n`` more hits of the same prefix in this process, each on a quiet store, each
+    with a tail of its own (a tail already stored would lengthen the hit) and vLLM's own
+    prefix cache reset first (so the prefix comes from the store again): TTFT median,
+    spread, and the hit length of each."""
+    import random
+
+    rng = random.Random(7)
+    times, hits = [], []
+    for _ in range(n):
+        _quiet_store(connector, store)
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("gpu_check: reset_prefix_cache failed (blocks still held)")
+        tail = [rng.randrange(4, 100000) for _ in range(PROMPT_LEN - len(prefix))]
+        got = _ttft(llm, prefix + tail)
+        times.append(got["seconds"])
+        hits.append(got["num_cached_tokens"])
+    times.sort()
+    return {"seconds": times, "median_s": times[len(times) // 2], "hit_tokens": hits}
+
+
+def _h2d_reference(nbytes: int) -> dict[str, float]:
+    """The machine's host-to-device bandwidth for the hit's bytes: from a pinned tensor,
+    and from a /dev/shm mapping registered with CUDA (cudaHostRegister: what the memory
+    tier's segments would be), one copy each after a warm-up; GB/s."""
+    import mmap
+
+    import torch
+
+    out: dict[str, float] = {}
+    if not torch.cuda.is_available():  # a dry run on CPU vLLM (--tiny)
+        return out
+    nbytes = max(nbytes, 1 << 20)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def timed(src: Any) -> float:
+        dev.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dev.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        return nbytes / (time.perf_counter() - t0) / 1e9
+
+    out["pinned_gbps"] = timed(torch.empty(nbytes, dtype=torch.uint8).pin_memory())
+    path = f"/dev/shm/gpu-check-h2d-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        host = torch.frombuffer(m, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)) == 0:
+            try:
+                out["registered_shm_gbps"] = timed(host)
+            finally:
+                cudart.cudaHostUnregister(host.data_ptr())
+        out["pageable_shm_gbps"] = timed(host)
+        del host
+        m.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
     return out
 
 
@@ -546,8 +646,38 @@ def judge(name: str, config: dict[str, Any], runs: dict[str, Any]) -> dict[str, 
             if "hit_ttft" in off
             else None,
         }
+        if "num_cached_tokens" in off.get("hit_ttft", {}):  # the same hit length for all
+            col["offloading_hit_tokens"] = off["hit_ttft"]["num_cached_tokens"]
+            ok &= col["offloading_hit_tokens"] == want
+        plain = runs.get("plain", {})
+        if "recompute_s" in plain:  # medians in a process without a connector
+            col["plain_ttft_ms"] = {
+                f"{k} median": 1000 * plain[f"{k}_s"][len(plain[f"{k}_s"]) // 2]
+                for k in ("recompute", "own_cache")
+            } | {
+                f"{k} spread": 1000 * (plain[f"{k}_s"][-1] - plain[f"{k}_s"][0])
+                for k in ("recompute", "own_cache")
+            }
         if "load_s" in load:  # the load threads' seconds (summed), the forward's stall
             col["load_ms"] = {k: 1000 * v for k, v in load["load_s"].items()}
+        steady = load.get("steady")
+        if steady:  # later hits in the same process, each on a quiet store
+            times = steady["seconds"]
+            col["steady_hit_ms"] = {
+                "median": 1000 * steady["median_s"],
+                "min": 1000 * times[0],
+                "max": 1000 * times[-1],
+                "n": len(times),
+            }
+            col["steady_hit_tokens"] = sorted(set(steady["hit_tokens"]))
+            ok &= set(steady["hit_tokens"]) == {want}
+        if "h2d" in load:  # the machine's reference bandwidths for the hit's bytes
+            col["hit_gb"] = load["hit_bytes"] / 1e9
+            col["h2d_gbps"] = load["h2d"]
+            spent = load.get("load_s", {})
+            busy = spent.get("read", 0.0) + spent.get("copy", 0.0)
+            if busy:  # the load threads' summed seconds: a lower bound on their bandwidth
+                col["load_threads_gbps"] = load["hit_bytes"] / busy / 1e9
         col.update(dump_bandwidth(dump))
     col["ok"] = ok
     return col
@@ -570,7 +700,14 @@ def render(cols: list[dict[str, Any]]) -> str:
         "same_tokens",
         "max_logprob_diff",
         "ttft_ms",
+        "plain_ttft_ms",
+        "offloading_hit_tokens",
         "load_ms",
+        "steady_hit_ms",
+        "steady_hit_tokens",
+        "hit_gb",
+        "h2d_gbps",
+        "load_threads_gbps",
         "dump_gb",
         "kv_produced_gbps",
         "dump_gbps",
@@ -623,11 +760,10 @@ def connector_chain(session: Session, name: str, threads: int | None = None) -> 
         session.record(column, mode, result)
     if threads is not None or result.get("refused"):
         return  # a refused model has no hit to set the peer's against
-    session.record(
-        name,
-        "offload",
-        run_child(session, f"{name}-ucm", "offload", model, session.workdir / "unused", hybrid, {}),
-    )
+    same = {UNIT_ENV: str(result["unit"])} if "unit" in result else {}
+    unused = session.workdir / "unused"
+    for mode in ("plain", "offload"):  # no connector; vLLM's OffloadingConnector
+        session.record(name, mode, run_child(session, chain, mode, model, unused, hybrid, same))
 
 
 def main(argv: list[str] | None = None) -> int:

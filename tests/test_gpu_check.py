@@ -42,7 +42,7 @@ def _runs(hit: int, want_tokens: bool = True, gdn_plain: int = 0) -> dict:
             "load_s": {"lookup": 0.01, "read": 0.2, "copy": 0.05, "stall": 0.1},
             "hit": hit_run,
         },
-        "offload": {"hit_ttft": {"seconds": 0.2}},
+        "offload": {"hit_ttft": {"seconds": 0.2, "num_cached_tokens": 6544}},
     }
 
 
@@ -64,6 +64,29 @@ def test_a_right_run_passes_and_each_wrong_answer_fails():
     older = _runs(6544)  # a record from before dump_busy_s: the workers' sum stands in
     del older["dump"]["dump_busy_s"]
     assert gc.judge("hybrid", config, older)["dump_vs_production"] == pytest.approx(0.5 / 0.4)
+
+
+def test_steady_hits_plain_medians_and_the_peers_hit_length_are_judged():
+    """Every timed hit is the same length: our later hits in the same process and vLLM's
+    OffloadingConnector's; the runs without a connector give medians and spreads."""
+    config = gc.MODELS["hybrid"]
+    runs = _runs(6544)
+    runs["load"]["steady"] = {
+        "seconds": [0.1, 0.12, 0.2],
+        "median_s": 0.12,
+        "hit_tokens": [6544] * 3,
+    }
+    runs["plain"] = {"recompute_s": [0.4, 0.5, 0.7], "own_cache_s": [0.1, 0.11, 0.3]}
+    col = gc.judge("hybrid", config, runs)
+    assert col["ok"]
+    assert col["steady_hit_ms"] == {"median": 120, "min": 100, "max": 200, "n": 3}
+    assert col["plain_ttft_ms"]["recompute median"] == pytest.approx(500)
+    assert col["plain_ttft_ms"]["own_cache spread"] == pytest.approx(200)
+    runs["load"]["steady"]["hit_tokens"] = [6544, 6560, 6544]  # one hit a tail longer
+    assert not gc.judge("hybrid", config, runs)["ok"]
+    runs = _runs(6544)
+    runs["offload"]["hit_ttft"]["num_cached_tokens"] = 6400  # the peer hit less
+    assert not gc.judge("hybrid", config, runs)["ok"]
 
 
 def test_a_threads_column_checks_the_connector_alone():
@@ -150,7 +173,7 @@ def test_a_refused_model_runs_no_peer_and_a_threads_column_no_hooks(tmp_path, mo
     assert set(session.runs["hybrid"]) == {"dump", "load"}
     started.clear()
     gc.connector_chain(session, "dense")
-    assert [m for _c, m, _e in started] == ["dump", "load", "offload"]
+    assert [m for _c, m, _e in started] == ["dump", "load", "plain", "offload"]
     started.clear()
     gc.connector_chain(session, "dense", threads=8)
     assert started == [
