@@ -77,6 +77,9 @@ THREADS_ENV = "UCM_GPU_CHECK_THREADS"
 KILLED = "[gpu-check] killed at the deadline"
 # Host memory for KV, the same for our store's memory tier and vLLM's OffloadingConnector.
 HOST_KV_BYTES = 16 << 30
+# ``--tiny`` (a dry run on a CPU host): what its RAM holds beside a CPU vLLM
+TINY_HOST_KV_BYTES = 1 << 30
+HOST_KV_ENV = "UCM_GPU_CHECK_HOST_KV"
 # Hits timed after the first one in the load process (median and spread reported).
 STEADY_SAMPLES = 5
 
@@ -227,6 +230,10 @@ def _llm(model: str, ktc: Any, hybrid: bool) -> Any:
     )
 
 
+def _host_kv_bytes() -> int:
+    return int(os.environ.get(HOST_KV_ENV) or HOST_KV_BYTES)
+
+
 def _ktc(kind: str, store: str) -> Any:
     from vllm.config import KVTransferConfig
 
@@ -235,11 +242,11 @@ def _ktc(kind: str, store: str) -> Any:
             "store": "local",
             "local_path": store,
             # the host memory vLLM's OffloadingConnector gets below: the same for both
-            "local_memory_bytes": HOST_KV_BYTES,
+            "local_memory_bytes": _host_kv_bytes(),
             # The load process stands for a restarted server that reads the tier warm: by
             # default the last process's close spills the tier to disk and removes it, and
             # the hit then reads the disk tier (docs/GPU.md, run 5).
-            "local_memory_keep_bytes": HOST_KV_BYTES,
+            "local_memory_keep_bytes": _host_kv_bytes(),
         }
         threads = os.environ.get(THREADS_ENV)
         if threads:
@@ -258,7 +265,7 @@ def _ktc(kind: str, store: str) -> Any:
         return KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": HOST_KV_BYTES},
+            kv_connector_extra_config={"cpu_bytes_to_use": _host_kv_bytes()},
         )
     raise ValueError(f"unknown connector kind {kind!r}")
 
@@ -508,6 +515,7 @@ def child_env(session: Session, chain: str, env: dict[str, str]) -> dict[str, st
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CACHE_ROOT": str(session.workdir / f"vllm-cache-{chain}"),
         LOCK_ENV: str(session.lock_path),
+        **({HOST_KV_ENV: str(TINY_HOST_KV_BYTES)} if session.tiny else {}),
         **env,
     }
 
@@ -757,6 +765,16 @@ def hooks_chain(session: Session, name: str) -> None:
         session.record(name, f"hooks_{label}", result)
 
 
+def _remove_memory_tier(store: Path) -> None:
+    """The memory tier the chain's store kept (``local_memory_keep_bytes``: the load run
+    reads it warm) is removed once its runs are done: nothing is left in /dev/shm."""
+    import shutil
+
+    from ucm_patch.hooks.stores.local import default_memory_path
+
+    shutil.rmtree(default_memory_path(store), ignore_errors=True)
+
+
 def connector_chain(session: Session, name: str, threads: int | None = None) -> None:
     """Process A dumps, process B (same hash seed) loads; then vLLM's OffloadingConnector
     (not for a ``threads`` column: the same connector with that many dump and load
@@ -771,7 +789,9 @@ def connector_chain(session: Session, name: str, threads: int | None = None) -> 
         result = run_child(session, chain, mode, model, store, hybrid, env)
         session.record(column, mode, result)
     if threads is not None or result.get("refused"):
+        _remove_memory_tier(store)
         return  # a refused model has no hit to set the peer's against
+    _remove_memory_tier(store)  # kept for the load run (a warm restart); not after it
     same = {UNIT_ENV: str(result["unit"])} if "unit" in result else {}
     unused = session.workdir / "unused"
     for mode in ("plain", "offload"):  # no connector; vLLM's OffloadingConnector
