@@ -408,6 +408,8 @@ def _steady_hits(llm: Any, connector: Any, store: Any, prefix: list[int], n: int
     times, hits = [], []
     for _ in range(n):
         _quiet_store(connector, store)
+        for _step in range(3):  # finished requests' blocks are freed a step later
+            _ttft(llm, [5, 6, 7])
         if not llm.reset_prefix_cache():
             raise RuntimeError("gpu_check: reset_prefix_cache failed (blocks still held)")
         tail = [rng.randrange(4, 100000) for _ in range(PROMPT_LEN - len(prefix))]
