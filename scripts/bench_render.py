@@ -17,6 +17,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc
+from bench_render_load import load_proxy_targets
 
 DOC = bc.REPO / "docs" / "BENCHMARKS.md"
 
@@ -281,6 +282,7 @@ def summary_table(data: dict[str, Any]) -> list[str]:
             )
         )
     rows += store_targets(data.get("stores"))
+    rows += load_proxy_targets(data.get("load_proxy"))
     out = ["| metric | target | measured | |", "|---|---|---|---|"]
     out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return out

@@ -43,6 +43,14 @@ BENCHES: dict[str, tuple[list[str], list[str], int, str]] = {
     "overlap": (["bench_overlap.py"], ["bench_overlap.py", "--quick"], 1800, ""),
     # ours and no connector (4 repetitions each, up to 1500 s apiece there), then the peers
     "ttft": (["bench_ttft.py"], ["bench_ttft.py", "--quick"], 5400, ""),
+    # a GPU hit's host side on CPU: 900 values of 1 MiB loaded by a fresh process, alone and
+    # beside a Python thread (about a minute with the full count)
+    "load_proxy": (
+        ["bench_load_proxy.py"],
+        ["bench_load_proxy.py", "--values", "200", "--repeat", "2"],
+        900,
+        "load_proxy.json",
+    ),
     "stores": (
         ["bench_stores.py", "--out", str(OUT / "stores")],
         [

@@ -36,8 +36,8 @@ ACTIVE_POLL_S, IDLE_POLL_S, IDLE_AFTER_S = 0.002, 0.02, 1.0
 
 #: Niceness of the thread that writes spills to the disk tier. A put must not wait behind
 #: a spill: where a writer and that thread share a core, the scheduler runs the writer
-#: (measured: bench_stores, "two tiers", slowest call: 13-17 ms at the cleaner's own
-#: priority, 4.5-7.4 ms at 19, 8-12 ms at 5 or 10). Only that thread, never one that
+#: (measured: bench_stores, "two tiers", slowest call; docs/CONNECTOR.md, "A full store",
+#: has the figures, and those of nice 5 and 10, which did less). Only that thread, never one that
 #: holds an index transaction: a reader starved of CPU would hold LMDB's pages from
 #: reuse while writers commit (segment_index.SPARE_MAP_BYTES; a whole cleaner process at
 #: 19 filled the index's map beside 4 writers on 2 cores), and a thread that waits for a

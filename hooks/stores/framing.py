@@ -58,9 +58,10 @@ import os
 import stat
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ucm_patch import environment
+from ucm_patch.hooks.stores import rowcopy
 from ucm_patch.hooks.stores.memcopy import addresses, copy_bytes, move
 
 try:  # XXH3 (module docstring); CRC32 without the package
@@ -258,6 +259,45 @@ def copy_verified(
     else:
         copy_bytes(dst, src)
     verify(key, header, dst, secret)  # raises, naming the check that failed
+
+
+def copy_verified_many(
+    entries: Sequence[tuple[bytes, bytes | memoryview, memoryview, memoryview]],
+    secret: bytes | None = None,
+) -> list[CorruptValue | None]:
+    """:func:`copy_verified` of each (key, header, dst, src): None per value copied and
+    verified, its :class:`CorruptValue` otherwise. The values this version writes
+    unkeyed are copied and checked in one call for all of them (:mod:`.rowcopy`: the
+    GIL given up once, not twice per piece); the others, or all of them where that
+    helper is unavailable, one by one."""
+    out: list[CorruptValue | None] = [None] * len(entries)
+    batch: list[tuple[memoryview, memoryview, int, int]] = []
+    where: list[int] = []
+    if secret is None and _xxh3_64_int is not None:
+        for i, (key, header, dst, src) in enumerate(entries):
+            n = len(src)
+            if len(dst) == n and header[:_PREFIX] == (_prefixes.get(n) or _unkeyed_prefix(n)):
+                seed = _xxh3_64_int(bytes(header[:_PREFIX]) + key)
+                batch.append((dst, src, seed, _U32.unpack_from(header, _PREFIX)[0]))
+                where.append(i)
+    checked = rowcopy.copy_verify_many(batch) if batch else None
+    if checked is None:
+        where = []
+    for i, ok in zip(where, checked or (), strict=True):
+        if not ok:  # the precise reason, from the copy
+            key, header, dst, _src = entries[i]
+            try:
+                verify(key, header, dst, secret)
+            except CorruptValue as exc:
+                out[i] = exc
+    done = set(where)
+    for i, (key, header, dst, src) in enumerate(entries):
+        if i not in done:
+            try:
+                copy_verified(key, header, dst, src, secret)
+            except CorruptValue as exc:
+                out[i] = exc
+    return out
 
 
 def _copy_hashing(dst: memoryview, src: memoryview, update: Callable[[memoryview], object]) -> None:

@@ -492,13 +492,22 @@ class LocalStore(KVStore):
                     break
                 locs = tier.lookup([digests[i] for i in todo])
                 got: list[tuple[int, Loc, bytes]] = []
-                for i, loc in zip(todo, locs, strict=True):
-                    if loc is None:
-                        continue
-                    value = self._read_one(tier, loc, kbs[i], into[i] if into else None)
+                found = [(i, loc) for i, loc in zip(todo, locs, strict=True) if loc is not None]
+                if into is not None:  # into buffers: every value of the tier in one call
+                    fits = [(i, loc) for i, loc in found if loc.size - HEADER_SIZE == len(into[i])]
+                    reads = [(loc, kbs[i], into[i]) for i, loc in fits]
+                    for (i, loc), why in zip(fits, tier.read_verified_many(reads), strict=True):
+                        if why is None:
+                            got.append((i, loc, b""))
+                            continue
+                        self._say_corrupt(tier, kbs[i], why)
+                        corrupt += self._corrupt(tier, digests[i], loc, keys[i])
+                    found = []  # a value of another size is a miss, never corrupt
+                for i, loc in found:
+                    value = self._read_one(tier, loc, kbs[i])
                     if value is not None:
                         got.append((i, loc, value))
-                    elif into is None or loc.size - HEADER_SIZE == len(into[i]):
+                    else:
                         corrupt += self._corrupt(tier, digests[i], loc, keys[i])
                 current = tier.index.current([loc for _i, loc, _v in got])
                 used: set[int] = set()
@@ -525,23 +534,21 @@ class LocalStore(KVStore):
             disk_hits=hits - memory_hits,
         )
 
-    def _read_one(self, tier: Tier, loc: Loc, kb: bytes, buf: memoryview | None) -> bytes | None:
-        """The value at ``loc`` checked against ``kb`` (``buf`` filled, or new bytes); None
-        when corrupt, lost or (``buf``) of another size."""
+    def _read_one(self, tier: Tier, loc: Loc, kb: bytes) -> bytes | None:
+        """The value at ``loc`` checked against ``kb``, as new bytes; None when corrupt or
+        lost."""
         try:
-            if buf is not None:
-                if loc.size - HEADER_SIZE != len(buf):
-                    return None
-                tier.read_verified(loc, kb, buf)
-                return b""
             head, payload = tier.read(loc)
             verify(kb, head, payload, self._secret)
             return payload
         except (CorruptValue, SegmentLost) as exc:
-            self._warn.warning(
-                "corrupt", "local store: dropped corrupt value %r in %s: %s", kb, tier.path, exc
-            )
+            self._say_corrupt(tier, kb, exc)
             return None
+
+    def _say_corrupt(self, tier: Tier, kb: bytes, why: Exception) -> None:
+        self._warn.warning(
+            "corrupt", "local store: dropped corrupt value %r in %s: %s", kb, tier.path, why
+        )
 
     def _corrupt(self, tier: Tier, digest: bytes, loc: Loc, key: str) -> int:
         """Drop a value that failed its check, unless its segment was emptied meanwhile

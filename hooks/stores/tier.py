@@ -45,13 +45,19 @@ from ucm_patch.hooks.stores.framing import (
     CorruptValue,
     copy_framed,
     copy_verified,
+    copy_verified_many,
     make_header,
     verify,
 )
 from ucm_patch.hooks.stores.memcopy import copy_bytes
 from ucm_patch.hooks.stores.ownership import ForeignFile, check_entries, open_dir, open_file
 from ucm_patch.hooks.stores.segment_cleaner import LEASE_IDLE_S, SegmentCleaner, reserve_for
-from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments, segment_name
+from ucm_patch.hooks.stores.segment_files import (
+    FileSegments,
+    MappedSegments,
+    SegmentLost,
+    segment_name,
+)
 from ucm_patch.hooks.stores.segment_index import LOC, Loc, SegmentIndex, SegRow, pid_alive
 from ucm_patch.hooks.stores.sidecar import sidecar
 
@@ -72,6 +78,7 @@ MAPPED_SIDECAR_MIN = 8 * PIECE
 #: (:meth:`Tier._dry_again`): a segment readied without a spill (one with no live values,
 #: or a lease given back with room) is seen after at most this long.
 DRY_RECHECK_S = 0.002
+
 MAX_SEGMENTS = 1 << 16
 MIN_SEGMENTS = 4  # a smaller capacity gets smaller segments: eviction stays gradual
 _TICK = struct.Struct("<Q")
@@ -576,10 +583,9 @@ class Tier:
         emptied ones ready (:mod:`.segment_cleaner`) and is woken whenever one is taken.
         None when no segment is ready, or live processes write every segment."""
         me = os.getpid()
-        dry, spills = self._dry, 0
+        dry = self._dry
         if dry is not None:
-            spills = self._shared[0] + self._shared[1]
-            if spills == dry[0] and time.monotonic() < dry[1]:
+            if self._shared[0] + self._shared[1] == dry[0] and time.monotonic() < dry[1]:
                 return self._dry_again()
             self._dry = None
         last = self._last  # the segment this process appended to last, as it left it
@@ -878,6 +884,33 @@ class Tier:
         header = bytearray(HEADER_SIZE)
         self.files.read_into(loc.seg, loc.offset + FRAME_AT, [memoryview(header), payload])
         verify(key, header, payload, self.secret)
+
+    def read_verified_many(
+        self, reads: Sequence[tuple[Loc, bytes, memoryview]]
+    ) -> list[CorruptValue | SegmentLost | None]:
+        """:meth:`read_verified` of each (loc, key, payload): None per value read and
+        verified, else why not. A mapped tier copies and verifies them all in one call
+        (:func:`~.framing.copy_verified_many`)."""
+        out: list[CorruptValue | SegmentLost | None] = [None] * len(reads)
+        entries: list[tuple[bytes, memoryview, memoryview, memoryview]] = []
+        where: list[int] = []
+        for i, (loc, key, payload) in enumerate(reads):
+            try:
+                view = self.files.mapping(loc.seg, loc.offset + FRAME_AT + loc.size)
+                if view is None:
+                    self.read_verified(loc, key, payload)
+                    continue
+            except (CorruptValue, SegmentLost) as exc:
+                out[i] = exc
+                continue
+            at = loc.offset + RECORD_HEADER
+            entries.append(
+                (key, view[loc.offset + FRAME_AT : at], payload, view[at : at + len(payload)])
+            )
+            where.append(i)
+        for i, why in zip(where, copy_verified_many(entries, self.secret), strict=True):
+            out[i] = why
+        return out
 
     def read(self, loc: Loc) -> tuple[bytes, bytes]:
         head = self.files.read(loc.seg, loc.offset + FRAME_AT, HEADER_SIZE)

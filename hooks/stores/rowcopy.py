@@ -1,0 +1,199 @@
+"""A row of values copied and verified in one foreign call: the GIL given up once per row.
+
+Why: a load thread that copies and hashes each value piece by piece
+(:func:`~.framing.copy_verified`) gives the GIL up for every copy and every checksum.
+Beside vLLM's forward, a thread that keeps the GIL, each take back waits up to the switch
+interval: on the H100 the load threads spent several times the work of a value waiting
+for it (docs/GPU.md, run 4). ``rowcopy.c`` does a whole row's copies and checksums in
+one call, piece by piece as before (each piece hashed while it is in the cache).
+
+The C file is compiled with the host's C compiler (``$CC``, else ``cc``) the first time a
+process needs it, into ``$XDG_CACHE_HOME/ucm_patch/native`` (``~/.cache`` by default;
+named by a hash of the source and the machine, replaced atomically), the way Triton and
+torch build their helpers; the XXH3 functions it calls are the ones of the ``xxhash``
+extension the store already imports, passed by address, so it links nothing. Where there
+is no compiler, or the helper fails its self-test, :func:`copy_verify_many` answers None
+once and for the life of the process, and the store copies value by value as before,
+with one INFO line saying why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ucm_patch.hooks.stores.memcopy import addresses
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rowcopy.c")
+#: What the helper needs of the xxhash library, in ``struct xxh3_api``'s order.
+XXH3_SYMBOLS = (
+    "XXH3_createState",
+    "XXH3_freeState",
+    "XXH3_64bits_reset_withSeed",
+    "XXH3_64bits_update",
+    "XXH3_64bits_digest",
+)
+
+
+class _Api(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in XXH3_SYMBOLS]
+
+
+class _Helper:
+    """The loaded helper: its entry point and the XXH3 functions it calls."""
+
+    def __init__(self, fn: Any, api: _Api, keep: tuple[Any, ...]) -> None:
+        self.fn = fn
+        self.api = api
+        self.keep = keep  # the libraries, loaded for as long as the helper is
+
+
+_lock = threading.Lock()
+_helper: _Helper | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ucm_patch" / "native"
+
+
+def _built(source: bytes) -> Path:
+    """The shared object of ``source`` for this machine: built now unless already there
+    (and this user's, writable by nobody else)."""
+    tag = hashlib.blake2b(
+        source + platform.machine().encode() + platform.system().encode(), digest_size=8
+    ).hexdigest()
+    folder = _cache_dir()
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    out = folder / f"rowcopy-{tag}.so"
+    if out.exists():
+        st = out.stat()
+        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise OSError(f"{out} is not this user's alone: not loaded")
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise OSError("no C compiler (cc, gcc or $CC)")
+    tmp = folder / f".rowcopy-{tag}.{os.getpid()}.so"
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+    os.chmod(tmp, 0o700)
+    os.replace(tmp, out)
+    return out
+
+
+def _xxh3_library() -> ctypes.CDLL:
+    """The library holding XXH3's functions: the xxhash extension, or a shared libxxhash
+    it was built against."""
+    import xxhash._xxhash as ext
+
+    for path in (ext.__file__, ctypes.util.find_library("xxhash")):
+        if not path:
+            continue
+        lib = ctypes.CDLL(path)
+        if all(hasattr(lib, name) for name in XXH3_SYMBOLS):
+            return lib
+    raise OSError("the XXH3 functions are in neither the xxhash extension nor libxxhash")
+
+
+def _load() -> _Helper:
+    lib = ctypes.CDLL(str(_built(SOURCE.read_bytes())))
+    fn = lib.ucm_rowcopy
+    p = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, p]
+    fn.restype = ctypes.c_int
+    xxh = _xxh3_library()
+    api = _Api(*[ctypes.cast(getattr(xxh, name), p).value for name in XXH3_SYMBOLS])
+    helper = _Helper(fn, api, (lib, xxh))
+    _self_test(helper)
+    return helper
+
+
+def _self_test(helper: _Helper) -> None:
+    """The helper's checksum is xxhash's own, on a value of several pieces, and it copies."""
+    import xxhash
+
+    src = memoryview(bytearray(os.urandom((600 << 10) + 13)))
+    dst = memoryview(bytearray(len(src)))
+    seed = 0x1234_5678_9ABC
+    want = xxhash.xxh3_64_intdigest(src, seed) & 0xFFFFFFFF
+    got = _call(helper, [(dst, src, seed, want), (dst, src, seed, want ^ 1)])
+    if got != [True, False] or dst != src:
+        raise OSError(f"self-test failed: {got}")
+
+
+def _get() -> _Helper | None:
+    global _helper, _tried
+    if _tried:
+        return _helper
+    with _lock:
+        if not _tried:
+            try:
+                _helper = _load()
+            except (OSError, subprocess.SubprocessError, ImportError, AttributeError) as exc:
+                log.info(
+                    "ucm_patch: row copies value by value (native helper unavailable: %s)", exc
+                )
+            _tried = True
+    return _helper
+
+
+def available() -> bool:
+    """Whether rows are copied in one call in this process (built and loaded on first use)."""
+    return _get() is not None
+
+
+def copy_verify_many(
+    items: Sequence[tuple[memoryview, memoryview | None, int, int]],
+) -> list[bool] | None:
+    """For each (dst, src, seed, want): copy ``src`` into ``dst`` (same length; src None:
+    ``dst`` is only checked) and check the low 32 bits of XXH3-64(dst, seed) against
+    ``want``, all in one call without the GIL: True per value that checks. None when the
+    helper is unavailable or a buffer has no address (read-only, not contiguous): the
+    caller then does it value by value."""
+    helper = _get()
+    if helper is None or not items:
+        return None if helper is None else []
+    return _call(helper, items)
+
+
+def _call(helper: _Helper, items: Sequence[tuple[memoryview, memoryview | None, int, int]]
+          ) -> list[bool] | None:  # fmt: skip
+    n = len(items)
+    dst = (ctypes.c_void_p * n)()
+    src = (ctypes.c_void_p * n)()
+    size = (ctypes.c_size_t * n)()
+    seed = (ctypes.c_uint64 * n)()
+    want = (ctypes.c_uint32 * n)()
+    ok = (ctypes.c_uint8 * n)()
+    for i, (d, s, sd, w) in enumerate(items):
+        if s is not None and len(s) != len(d):
+            raise ValueError(f"copy_verify_many: item {i}: dst has {len(d)} bytes, src {len(s)}")
+        at = addresses(d, d if s is None else s)
+        if at is None:
+            return None
+        dst[i], src[i] = at[0], (at[1] if s is not None else None)
+        size[i], seed[i], want[i] = len(d), sd, w
+    if helper.fn(n, dst, src, size, seed, want, ctypes.byref(helper.api), ok) != 0:
+        return None
+    return [bool(x) for x in ok]
+
+
+__all__ = ["SOURCE", "XXH3_SYMBOLS", "available", "copy_verify_many"]

@@ -1,0 +1,259 @@
+"""The CPU proxy of a GPU hit's load (``make bench``; docs/BENCHMARKS.md, "load proxy").
+
+A GPU is rarely at hand here, and on a CPU the forward hides every load cost. What made a
+hit slow on the H100 was the host side of the load: the load threads take the GIL back
+after every foreign call (a copy, a checksum), and beside vLLM's forward, a Python thread
+that keeps it, each take waits up to the switch interval (5 ms). This benchmark measures
+that, with nothing of vLLM:
+
+* a writer process stores ``--values`` values of ``--value-bytes`` (900 of 1 MiB: the
+  0.94 GB the H100 run loaded; 36 rows of 25 chunks, as Qwen3-8B's 36 layers at an 80 %
+  hit of 8K tokens) into a store built as the connector builds it (two tiers), and keeps
+  its memory tier;
+* a fresh reader process opens it and loads every row with ``get_many_into`` into a
+  reused host buffer per thread (the connector's staging buffers) on the connector's
+  default load threads (``--threads``): the first load (a new process: every segment
+  mapped for the first time), then ``--repeat`` steady ones;
+* the same loads beside a thread running Python in a loop (vLLM's forward), at the
+  default switch interval;
+* the floor: a memcpy of the same bytes and an XXH3 of them, side by side on two threads
+  (the work a load must do), in the same process.
+
+Reported: GB/s alone and beside the Python thread, host CPU-seconds per GB loaded (the
+load threads' own, from ``getrusage`` per thread), wall alone against the floor, GIL
+waits per value (the load threads' voluntary context switches beside the Python thread:
+each is a wait for the GIL, or for the store's lock), and the first load against the
+steady ones.
+
+    python scripts/bench_load_proxy.py [--values 900] [--value-bytes 1MiB] [--threads N]
+        [--repeat 5] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc
+
+MiB = 1 << 20
+ROW_VALUES = 25  # chunks per layer at an 80 % hit of 8K tokens (6400 / 256)
+
+
+def _store(path: Path, nbytes: int, value_bytes: int) -> Any:
+    """The store as the connector builds it: a memory tier holding the values, over a disk
+    tier; the tier kept when the writer closes (a restarted server reads it warm)."""
+    from ucm_patch.hooks.stores.local import LocalStore
+
+    memory = max(2 * nbytes, 256 * MiB)
+    return LocalStore(
+        path / "disk", 4 * memory, memory_bytes=memory, value_bytes=value_bytes,
+        memory_keep_bytes=memory,
+    )  # fmt: skip
+
+
+def _keys(n: int) -> list[str]:
+    return [f"proxy/{i}" for i in range(n)]
+
+
+def write(path: Path, values: int, value_bytes: int) -> None:
+    """The writer process: every value stored, the memory tier kept at close."""
+    store = _store(path, values * value_bytes, value_bytes)
+    data = [os.urandom(value_bytes) for _ in range(8)]
+    keys = _keys(values)
+    for i in range(0, values, 2):
+        batch = [(k, data[j % 8]) for j, k in enumerate(keys[i : i + 2], start=i)]
+        while not all(store.put_many(batch)):
+            store.memory.cleaner.wait_idle(60)
+    store.close()
+
+
+class _Spinner:
+    """A thread running Python in a loop (vLLM's forward holds the GIL so)."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        n = 0
+        stop = self._stop
+        while not stop.is_set():
+            n += 1
+
+    def __enter__(self) -> _Spinner:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _load_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]], value_bytes: int
+              ) -> dict[str, float]:  # fmt: skip
+    """Every row on the load threads, each into its thread's reused buffer: wall seconds,
+    and the load threads' CPU seconds and voluntary context switches."""
+    local = threading.local()
+    usage: list[tuple[float, int]] = []
+    lock = threading.Lock()
+
+    def load_row(keys: list[str]) -> bool:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = memoryview(bytearray(len(keys) * value_bytes))
+        before = resource.getrusage(resource.RUSAGE_THREAD)
+        views = [buf[i * value_bytes : (i + 1) * value_bytes] for i in range(len(keys))]
+        ok = all(store.get_many_into(keys, views))
+        after = resource.getrusage(resource.RUSAGE_THREAD)
+        with lock:
+            usage.append((
+                after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+                after.ru_nvcsw - before.ru_nvcsw,
+            ))  # fmt: skip
+        return ok
+
+    t0 = time.perf_counter()
+    ok = all(pool.map(load_row, rows))
+    wall = time.perf_counter() - t0
+    if not ok:
+        raise SystemExit("bench_load_proxy: a value was missing or corrupt")
+    return {"wall_s": wall, "cpu_s": sum(u[0] for u in usage), "waits": sum(u[1] for u in usage)}
+
+
+def _floor(nbytes: int) -> float:
+    """A memcpy and an XXH3 of ``nbytes``, side by side on two threads: wall seconds."""
+    import xxhash
+
+    from ucm_patch.hooks.stores.memcopy import copy_bytes
+
+    src = memoryview(os.urandom(nbytes))
+    dst = memoryview(bytearray(nbytes))
+    copy_bytes(dst, src)  # pages touched once
+    best = float("inf")
+    for _ in range(3):
+        hasher = threading.Thread(target=xxhash.xxh3_64_intdigest, args=(src,))
+        t0 = time.perf_counter()
+        hasher.start()
+        copy_bytes(dst, src)
+        hasher.join()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def read(
+    path: Path, values: int, value_bytes: int, threads: int, repeat: int, per_value: bool
+) -> dict[str, Any]:
+    """The reader process: first load, steady loads alone, loads beside a Python thread;
+    ``per_value``: without the row helper (:mod:`ucm_patch.hooks.stores.rowcopy`), as the
+    store reads where it cannot be built."""
+    from ucm_patch.hooks.stores import rowcopy
+
+    if per_value:
+        rowcopy._helper, rowcopy._tried = None, True
+    store = _store(path, values * value_bytes, value_bytes)
+    warmer = getattr(store.memory, "_warmer", None)
+    if warmer is not None:
+        warmer.join()
+    keys = _keys(values)
+    rows = [keys[i : i + ROW_VALUES] for i in range(0, values, ROW_VALUES)]
+    nbytes = values * value_bytes
+    out: dict[str, Any] = {"values": values, "value_bytes": value_bytes, "threads": threads,
+                           "switch_interval_s": sys.getswitchinterval(),
+                           "row_helper": rowcopy.available()}  # fmt: skip
+    with ThreadPoolExecutor(threads, thread_name_prefix="ucm-load") as pool:
+        out["first"] = _load_all(store, pool, rows, value_bytes)
+        out["alone"] = [_load_all(store, pool, rows, value_bytes) for _ in range(repeat)]
+        with _Spinner():
+            out["beside_python"] = [_load_all(store, pool, rows, value_bytes) for _ in range(2)]
+    out["floor_s"] = _floor(nbytes)
+    store.close()
+    return out
+
+
+def summarize(d: dict[str, Any]) -> dict[str, float]:
+    """The figures the targets read (docs/BENCHMARKS.md)."""
+    nbytes = d["values"] * d["value_bytes"]
+    alone = statistics.median(r["wall_s"] for r in d["alone"])
+    beside = statistics.median(r["wall_s"] for r in d["beside_python"])
+    cpu = statistics.median(r["cpu_s"] for r in d["alone"])
+    waits = statistics.median(r["waits"] for r in d["beside_python"])
+    return {
+        "alone_gbps": nbytes / alone / 1e9,
+        "beside_python_gbps": nbytes / beside / 1e9,
+        "beside_share": alone / beside,
+        "cpu_s_per_gb": cpu / (nbytes / 1e9),
+        "wall_vs_floor": alone / d["floor_s"],
+        "first_vs_steady": d["first"]["wall_s"] / alone,
+        "gil_waits_per_value": waits / d["values"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--values", type=int, default=900)
+    ap.add_argument("--value-bytes", default="1MiB")
+    ap.add_argument("--threads", type=int, default=0, help="load threads (0: the connector's)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", default=str(bc.RESULTS / "load_proxy.json"))
+    ap.add_argument("--role", choices=["write", "read"], help=argparse.SUPPRESS)
+    ap.add_argument("--per-value", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    value_bytes = int(args.value_bytes.removesuffix("MiB")) * MiB
+    if args.role == "write":
+        write(Path(args.path), args.values, value_bytes)
+        return 0
+    threads = args.threads
+    if not threads:  # the connector's default load_workers
+        from ucm_patch.connector.config import copy_threads
+
+        threads = copy_threads()
+    if args.role == "read":
+        got = read(Path(args.path), args.values, value_bytes, threads, args.repeat, args.per_value)
+        print(json.dumps(got))
+        return 0
+    base = Path(tempfile.mkdtemp(prefix="ucm-load-proxy-"))
+    common = [f"--values={args.values}", f"--value-bytes={args.value_bytes}"]
+    me = [sys.executable, __file__, *common, f"--path={base}"]
+    try:
+        subprocess.run([*me, "--role=write"], check=True)
+        reader = [*me, "--role=read", f"--threads={threads}", f"--repeat={args.repeat}"]
+        runs = {}
+        for name, extra in (("per_value", ["--per-value"]), ("row", [])):
+            res = subprocess.run([*reader, *extra], check=True, capture_output=True, text=True)
+            runs[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    finally:
+        from ucm_patch.hooks.stores.local import default_memory_path
+
+        shutil.rmtree(default_memory_path(base / "disk"), ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+    # the targets read the store as it reads (the row helper where it builds); the
+    # value-by-value reads (no compiler) as information, from the same run
+    data = {**runs["row"], "summary": summarize(runs["row"])}
+    data["per_value"] = {**runs["per_value"], "summary": summarize(runs["per_value"])}
+    data["machine"] = bc.machine()
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(data, indent=1))
+    print(f"{'':24s} {'row helper':>12s} {'per value':>12s}")
+    for k, v in data["summary"].items():
+        print(f"{k:24s} {v:12.3f} {data['per_value']['summary'][k]:12.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""docs/BENCHMARKS.md's rows of the load proxy (``bench_load_proxy.py``): a GPU hit's host
+side measured on CPU, against the targets a GPU hit needs of it (docs/GPU.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Beside a Python thread, loads keep at least this share of their speed alone.
+BESIDE_SHARE = 0.50
+#: Host CPU-seconds the load threads may spend per GB loaded.
+CPU_S_PER_GB = 0.3
+#: Wall time of a load alone, at most this many times a memcpy and an XXH3 side by side.
+WALL_VS_FLOOR = 1.25
+#: The first load in a new process, at most this many times a steady one.
+FIRST_VS_STEADY = 1.1
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
+    """The four CPU-proxy targets, and GIL waits per value as information."""
+    if not d or "summary" not in d:
+        return []
+    s = d["summary"]
+    what = f"{d['values']} values of {d['value_bytes'] >> 20} MiB, {d['threads']} load threads"
+    rows = [
+        (f"load proxy, beside a Python thread vs alone ({what})", f">= {BESIDE_SHARE:.0%}",
+         f"{s['beside_share']:.1%} ({s['beside_python_gbps']:.2f} of {s['alone_gbps']:.2f} GB/s)",
+         _verdict(s["beside_share"] >= BESIDE_SHARE)),
+        ("load proxy, load threads' CPU-seconds per GB", f"<= {CPU_S_PER_GB}",
+         f"{s['cpu_s_per_gb']:.2f}", _verdict(s["cpu_s_per_gb"] <= CPU_S_PER_GB)),
+        ("load proxy, wall alone vs memcpy and XXH3 side by side", f"<= {WALL_VS_FLOOR}x",
+         f"{s['wall_vs_floor']:.2f}x", _verdict(s["wall_vs_floor"] <= WALL_VS_FLOOR)),
+        ("load proxy, first load in a new process vs steady", f"<= {FIRST_VS_STEADY}x",
+         f"{s['first_vs_steady']:.2f}x", _verdict(s["first_vs_steady"] <= FIRST_VS_STEADY)),
+        ("load proxy, GIL waits per value beside a Python thread", "(information)",
+         f"{s['gil_waits_per_value']:.2f}", "(information)"),
+    ]  # fmt: skip
+    old = d.get("per_value", {}).get("summary")
+    if old:  # the same loads without the row helper (a host with no C compiler)
+        rows.append(
+            ("load proxy, value by value (no C compiler): beside a Python thread vs alone, "
+             "GIL waits per value", "(information)",
+             f"{old['beside_share']:.1%} ({old['beside_python_gbps']:.2f} of "
+             f"{old['alone_gbps']:.2f} GB/s), {old['gil_waits_per_value']:.2f}",
+             "(information)")
+        )  # fmt: skip
+    return rows

@@ -1,0 +1,115 @@
+"""A row of values read into buffers is copied and verified in one foreign call (the GIL
+given up once per row, not twice per 256 KiB piece), by a C helper built on first use;
+without it (no compiler), the store reads value by value as before, with the same
+answers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ucm_patch.hooks.stores import framing, rowcopy
+from ucm_patch.hooks.stores.local import LocalStore
+
+VALUE = (1 << 20) + 4096  # several pieces of framing.PIECE, not a multiple of one
+
+
+def _store(root: Path) -> LocalStore:
+    return LocalStore(
+        root / "kv", 256 << 20, memory_bytes=64 << 20, memory_path=root / "shm", value_bytes=VALUE
+    )
+
+
+def _row(n: int) -> dict[str, bytes]:
+    return {f"row/{i}": os.urandom(VALUE) for i in range(n)}
+
+
+def _read(store: LocalStore, values: dict[str, bytes]) -> tuple[list[bool], list[memoryview]]:
+    bufs = [memoryview(bytearray(VALUE)) for _ in values]
+    return store.get_many_into(list(values), bufs), bufs
+
+
+def test_a_row_is_one_call_and_no_piece_copy(tmp_path: Path, monkeypatch) -> None:
+    assert rowcopy.available(), "the helper did not build here (cc and xxhash are present)"
+    calls: list[int] = []
+    real = rowcopy._call
+    monkeypatch.setattr(
+        rowcopy, "_call", lambda h, items: calls.append(len(items)) or real(h, items)
+    )
+    pieces: list[int] = []
+    monkeypatch.setattr(framing, "move", lambda *a: pieces.append(1))  # the old per-piece copy
+    s = _store(tmp_path)
+    values = _row(25)
+    assert all(s.put_many(list(values.items())))
+    ok, bufs = _read(s, values)
+    assert ok == [True] * 25
+    assert [bytes(b) for b in bufs] == list(values.values())
+    assert calls == [25] and pieces == []
+    s.close()
+
+
+def test_a_corrupt_value_in_the_row_is_dropped_alone(tmp_path: Path) -> None:
+    """One byte of one value changed in the memory tier's segment: that value answers
+    False and counts as corrupt (its entry dropped); the others of the row are served."""
+    s = _store(tmp_path)
+    values = _row(6)
+    assert all(s.put_many(list(values.items())))
+    loc = s.where("row/3")
+    assert loc is not None and loc.tier == "memory"
+    with open(os.path.join(s.memory.path, loc.file), "r+b") as f:  # type: ignore[union-attr]
+        f.seek(loc.offset + 777)
+        byte = f.read(1)
+        f.seek(loc.offset + 777)
+        f.write(bytes([byte[0] ^ 0x40]))
+    ok, bufs = _read(s, values)
+    assert ok == [True, True, True, False, True, True]
+    assert s.stats["corrupt"] == 1
+    assert [bytes(b) for i, b in enumerate(bufs) if i != 3] == [
+        v for i, v in enumerate(values.values()) if i != 3
+    ]
+    assert s.get_many(["row/3"]) == [None]  # dropped, not served later
+    s.close()
+
+
+def test_without_the_helper_the_answers_are_the_same(tmp_path: Path, monkeypatch) -> None:
+    """No C compiler: the helper is not built (one INFO line), and the store reads value
+    by value with the same answers, corrupt values included."""
+    monkeypatch.setattr(rowcopy, "_helper", None)
+    monkeypatch.setattr(rowcopy, "_tried", False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(rowcopy.shutil, "which", lambda name: None)
+    assert not rowcopy.available()
+    assert rowcopy.copy_verify_many([(memoryview(bytearray(8)), None, 0, 0)]) is None
+    s = _store(tmp_path)
+    values = _row(4)
+    assert all(s.put_many(list(values.items())))
+    ok, bufs = _read(s, values)
+    assert ok == [True] * 4 and [bytes(b) for b in bufs] == list(values.values())
+    s.close()
+
+
+def test_the_helper_checks_what_xxhash_checks(tmp_path: Path) -> None:
+    """Copies, checks in place (src None), and answers per value: a wrong checksum or a
+    different length of a value is never taken for a right one."""
+    import xxhash
+
+    assert rowcopy.available()
+    srcs = [memoryview(bytearray(os.urandom(n))) for n in (1, 4096, 300_000, 1 << 20)]
+    dsts = [memoryview(bytearray(len(s))) for s in srcs]
+    seeds = [3, 1 << 40, 7, 2**64 - 1]
+    want = [xxhash.xxh3_64_intdigest(s, sd) & 0xFFFFFFFF for s, sd in zip(srcs, seeds, strict=True)]
+    items = list(zip(dsts, srcs, seeds, want, strict=True))
+    assert rowcopy.copy_verify_many(items) == [True] * 4
+    assert [bytes(d) for d in dsts] == [bytes(s) for s in srcs]
+    wrong = [(d, None, sd, w ^ 0x100) for d, _s, sd, w in items]
+    assert rowcopy.copy_verify_many(wrong) == [False] * 4
+    in_place = [(d, None, sd, w) for d, _s, sd, w in items]
+    assert rowcopy.copy_verify_many(in_place) == [True] * 4
+    with pytest.raises(ValueError, match="item 0: dst has 1 bytes, src 2"):
+        rowcopy.copy_verify_many([(dsts[0], memoryview(b"ab"), 0, 0)])
