@@ -95,8 +95,9 @@ def test_without_the_helper_the_answers_are_the_same(tmp_path: Path, monkeypatch
 
 
 def test_the_helper_checks_what_xxhash_checks(tmp_path: Path) -> None:
-    """Copies, checks in place (src None), and answers per value: a wrong checksum or a
-    different length of a value is never taken for a right one."""
+    """Copies, checks in place (src None), seeds from bytes it hashes itself (a frame's
+    header and key), and answers per value: a wrong checksum or a different length of a
+    value is never taken for a right one."""
     import xxhash
 
     assert rowcopy.available()
@@ -111,5 +112,15 @@ def test_the_helper_checks_what_xxhash_checks(tmp_path: Path) -> None:
     assert rowcopy.copy_verify_many(wrong) == [False] * 4
     in_place = [(d, None, sd, w) for d, _s, sd, w in items]
     assert rowcopy.copy_verify_many(in_place) == [True] * 4
+    material = [os.urandom(20 + i) for i in range(4)]  # a frame's header and key
+    keyed = [xxhash.xxh3_64_intdigest(s, xxhash.xxh3_64_intdigest(m)) & 0xFFFFFFFF
+             for s, m in zip(srcs, material, strict=True)]  # fmt: skip
+    assert (
+        rowcopy.copy_verify_many(list(zip(dsts, srcs, material, keyed, strict=True))) == [True] * 4
+    )
+    keyed[2] ^= 1
+    assert rowcopy.copy_verify_many(list(zip(dsts, srcs, material, keyed, strict=True))) == [
+        True, True, False, True
+    ]  # fmt: skip
     with pytest.raises(ValueError, match="item 0: dst has 1 bytes, src 2"):
         rowcopy.copy_verify_many([(dsts[0], memoryview(b"ab"), 0, 0)])

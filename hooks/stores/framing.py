@@ -271,13 +271,15 @@ def copy_verified_many(
     GIL given up once, not twice per piece); the others, or all of them where that
     helper is unavailable, one by one."""
     out: list[CorruptValue | None] = [None] * len(entries)
-    batch: list[tuple[memoryview, memoryview, int, int]] = []
+    batch: list[rowcopy.Item] = []
     where: list[int] = []
     if secret is None and _xxh3_64_int is not None:
         for i, (key, header, dst, src) in enumerate(entries):
             n = len(src)
             if len(dst) == n and header[:_PREFIX] == (_prefixes.get(n) or _unkeyed_prefix(n)):
-                seed = _xxh3_64_int(bytes(header[:_PREFIX]) + key)
+                # the seed's own hash is done in the same call (an XXH3 here would give
+                # the GIL up once per value again)
+                seed = bytes(header[:_PREFIX]) + key
                 batch.append((dst, src, seed, _U32.unpack_from(header, _PREFIX)[0]))
                 where.append(i)
     checked = rowcopy.copy_verify_many(batch) if batch else None

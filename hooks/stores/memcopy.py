@@ -24,7 +24,7 @@ _from_buffer = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 
 
-def _bytes_address(b: bytes) -> int:
+def bytes_address(b: bytes) -> int:
     """Where a ``bytes`` object's data starts (``c_char_p`` of bytes points into it)."""
     return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
 
@@ -36,7 +36,7 @@ def addresses(dst: memoryview, src: memoryview | bytes) -> tuple[int, int] | Non
     try:
         to = _addressof(_from_buffer(dst))
         if type(src) is bytes:  # immutable: its buffer is only readable, and never moves
-            return to, _bytes_address(src)
+            return to, bytes_address(src)
         return to, _addressof(_from_buffer(src))
     except (TypeError, ValueError, BufferError):  # read-only or not contiguous
         return None
@@ -62,4 +62,4 @@ def copy_bytes(dst: memoryview, src: memoryview | bytes) -> None:
     dst[:] = src
 
 
-__all__ = ["GIL_FREE_MIN", "addresses", "copy_bytes", "move"]
+__all__ = ["GIL_FREE_MIN", "addresses", "bytes_address", "copy_bytes", "move"]

@@ -31,17 +31,25 @@ struct xxh3_api {
 #define PIECE ((size_t)256 << 10)
 
 /* For each i < n: len[i] bytes from src[i] to dst[i] (src NULL: dst is hashed in place),
- * ok[i] = 1 when the low 32 bits of XXH3-64(dst[i], seed[i]) equal want[i], else 0.
- * Returns 0, or -1 when no hash state could be made (nothing copied). */
+ * ok[i] = 1 when the low 32 bits of XXH3-64(dst[i], seed) equal want[i], else 0, where
+ * seed is XXH3-64 of the seed_len[i] bytes at seed_src[i] when that is not NULL (the
+ * frame's header and key: hashed here too, so that no call per value gives the GIL up),
+ * else seed[i]. Returns 0, or -1 when no hash state could be made (nothing copied). */
 int ucm_rowcopy(size_t n, char *const *dst, const char *const *src, const size_t *len,
-                const uint64_t *seed, const uint32_t *want, const struct xxh3_api *api,
-                uint8_t *ok)
+                const uint64_t *seed, const char *const *seed_src, const size_t *seed_len,
+                const uint32_t *want, const struct xxh3_api *api, uint8_t *ok)
 {
     void *state = api->create();
     if (state == NULL)
         return -1;
     for (size_t i = 0; i < n; i++) {
-        api->reset(state, seed[i]);
+        uint64_t s = seed[i];
+        if (seed_src[i] != NULL) {
+            api->reset(state, 0);
+            api->update(state, seed_src[i], seed_len[i]);
+            s = api->digest(state);
+        }
+        api->reset(state, s);
         for (size_t at = 0; at < len[i]; at += PIECE) {
             size_t k = len[i] - at < PIECE ? len[i] - at : PIECE;
             if (src != NULL && src[i] != NULL)

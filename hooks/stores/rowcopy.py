@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ucm_patch.hooks.stores.memcopy import addresses
+from ucm_patch.hooks.stores.memcopy import addresses, bytes_address
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _load() -> _Helper:
     lib = ctypes.CDLL(str(_built(SOURCE.read_bytes())))
     fn = lib.ucm_rowcopy
     p = ctypes.c_void_p
-    fn.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, p]
+    fn.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, p, p, p]
     fn.restype = ctypes.c_int
     xxh = _xxh3_library()
     api = _Api(*[ctypes.cast(getattr(xxh, name), p).value for name in XXH3_SYMBOLS])
@@ -134,8 +134,11 @@ def _self_test(helper: _Helper) -> None:
     dst = memoryview(bytearray(len(src)))
     seed = 0x1234_5678_9ABC
     want = xxhash.xxh3_64_intdigest(src, seed) & 0xFFFFFFFF
-    got = _call(helper, [(dst, src, seed, want), (dst, src, seed, want ^ 1)])
-    if got != [True, False] or dst != src:
+    material = os.urandom(40)
+    keyed = xxhash.xxh3_64_intdigest(src, xxhash.xxh3_64_intdigest(material)) & 0xFFFFFFFF
+    items = [(dst, src, seed, want), (dst, src, seed, want ^ 1), (dst, None, material, keyed)]
+    got = _call(helper, items)
+    if got != [True, False, True] or dst != src:
         raise OSError(f"self-test failed: {got}")
 
 
@@ -160,27 +163,32 @@ def available() -> bool:
     return _get() is not None
 
 
-def copy_verify_many(
-    items: Sequence[tuple[memoryview, memoryview | None, int, int]],
-) -> list[bool] | None:
+#: One value of :func:`copy_verify_many`: (dst, src or None, seed, want); the seed an
+#: int, or the bytes whose XXH3-64 is the seed (hashed in the same call).
+Item = tuple[memoryview, memoryview | None, int | bytes, int]
+
+
+def copy_verify_many(items: Sequence[Item]) -> list[bool] | None:
     """For each (dst, src, seed, want): copy ``src`` into ``dst`` (same length; src None:
     ``dst`` is only checked) and check the low 32 bits of XXH3-64(dst, seed) against
-    ``want``, all in one call without the GIL: True per value that checks. None when the
-    helper is unavailable or a buffer has no address (read-only, not contiguous): the
-    caller then does it value by value."""
+    ``want``, all in one call without the GIL: True per value that checks. A ``bytes``
+    seed is hashed in that call too (XXH3-64 of it is the seed). None when the helper is
+    unavailable or a buffer has no address (read-only, not contiguous): the caller then
+    does it value by value."""
     helper = _get()
     if helper is None or not items:
         return None if helper is None else []
     return _call(helper, items)
 
 
-def _call(helper: _Helper, items: Sequence[tuple[memoryview, memoryview | None, int, int]]
-          ) -> list[bool] | None:  # fmt: skip
+def _call(helper: _Helper, items: Sequence[Item]) -> list[bool] | None:
     n = len(items)
     dst = (ctypes.c_void_p * n)()
     src = (ctypes.c_void_p * n)()
     size = (ctypes.c_size_t * n)()
     seed = (ctypes.c_uint64 * n)()
+    seed_src = (ctypes.c_void_p * n)()
+    seed_len = (ctypes.c_size_t * n)()
     want = (ctypes.c_uint32 * n)()
     ok = (ctypes.c_uint8 * n)()
     for i, (d, s, sd, w) in enumerate(items):
@@ -190,8 +198,13 @@ def _call(helper: _Helper, items: Sequence[tuple[memoryview, memoryview | None, 
         if at is None:
             return None
         dst[i], src[i] = at[0], (at[1] if s is not None else None)
-        size[i], seed[i], want[i] = len(d), sd, w
-    if helper.fn(n, dst, src, size, seed, want, ctypes.byref(helper.api), ok) != 0:
+        size[i], want[i] = len(d), w
+        if type(sd) is bytes:  # kept alive by ``items`` for the call
+            seed_src[i], seed_len[i] = bytes_address(sd), len(sd)
+        else:
+            seed[i] = sd
+    api = ctypes.byref(helper.api)
+    if helper.fn(n, dst, src, size, seed, seed_src, seed_len, want, api, ok) != 0:
         return None
     return [bool(x) for x in ok]
 
