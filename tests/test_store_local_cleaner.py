@@ -57,6 +57,17 @@ def _put_all(store: LocalStore, keys: list[str]) -> None:
             assert store.memory.cleaner.wait_idle(60)
 
 
+def _stop_cleaner(s: LocalStore) -> int:
+    """Put one value (its cleaner starts), then stop the cleaner (SIGSTOP: a disk that
+    takes nothing): its pid, for SIGCONT."""
+    assert s.memory is not None
+    _put_all(s, ["first"])
+    pid = s.memory.cleaner.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
 def test_no_put_spills_in_the_putting_process(tmp_path: Path, monkeypatch) -> None:
     """Values leave the full memory tier for the disk tier, and not one spill ran in the
     process that puts: the cleaner process did them all (before, the put that needed a
@@ -86,11 +97,7 @@ def test_a_dry_reserve_skips_at_once_and_never_waits(tmp_path: Path) -> None:
     while the cleaner is still stopped. Let go, it refills the reserve and puts store
     again; every value answered True is readable."""
     s = _store(tmp_path)
-    assert s.memory is not None
-    _put_all(s, ["first"])
-    pid = s.memory.cleaner.pid
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
+    pid = _stop_cleaner(s)
     answers: dict[str, bool] = {}
 
     def put_many_values() -> None:
@@ -124,11 +131,7 @@ def test_a_dry_reserve_is_answered_without_reading_the_index(tmp_path: Path, mon
     After a spill (the tier's shared counts change) a put reads the index again."""
     monkeypatch.setattr(tier_module, "DRY_RECHECK_S", 600.0)  # only a spill ends it here
     s = _store(tmp_path)
-    assert s.memory is not None
-    _put_all(s, ["first"])
-    pid = s.memory.cleaner.pid
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
+    pid = _stop_cleaner(s)
     try:
         i = 0
         while s.put_many([(f"d{i}", value_of(f"d{i}"))]) == [True]:

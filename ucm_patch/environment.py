@@ -152,6 +152,13 @@ VARIABLES: dict[str, Variable] = {
 }
 
 
+def user_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/ucm_patch``, else ``~/.cache/ucm_patch``: where this package keeps
+    what it makes for this user (the local store's default directory, native helpers)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ucm_patch")
+
+
 def toggle_var(name: str) -> str:
     """The variable of patch ``name``'s toggle: ``UCM_PATCH_<NAME>``."""
     return PREFIX + name.upper()

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from ucm_patch import environment
 from ucm_patch.hooks import settings as v
 from ucm_patch.hooks.settings import parse_size
 from ucm_patch.hooks.stores.base import KVStore, StoreConfigError, StoreError, ValueSizeError
@@ -42,8 +43,7 @@ class StoreConfig(NamedTuple):
 
 def default_local_path() -> str:
     """``$XDG_CACHE_HOME/ucm_patch/kv``, else ``~/.cache/ucm_patch/kv``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ucm_patch", "kv")
+    return os.path.join(environment.user_cache_dir(), "kv")
 
 
 # key -> (parser, default, help). A default of None means "computed" (see make_store).

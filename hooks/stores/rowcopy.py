@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ucm_patch import environment
 from ucm_patch.hooks.stores.memcopy import addresses, bytes_address
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,7 @@ _tried = False
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ucm_patch" / "native"
+    return Path(environment.user_cache_dir()) / "native"
 
 
 def _built(source: bytes) -> Path:
