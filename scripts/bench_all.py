@@ -5,7 +5,7 @@ under ``bench-results/``), :mod:`bench_plot` (docs/img/*.png) and :mod:`bench_re
 (docs/BENCHMARKS.md). None of this is a test: the numbers depend on the machine and on
 its load, which the document records.
 
-usage: bench_all.py [--only core,hooks,dump_hook,step,overlap,ttft,stores] [--quick]
+usage: bench_all.py [--only stores,load_proxy,core,hooks,dump_hook,step,overlap,ttft] [--quick]
                     [--no-run] (only re-render plots and the document from bench-results/)
 """
 

@@ -25,32 +25,11 @@ SCRIPTS = bc.REPO / "scripts"
 OUT = bc.RESULTS
 META = OUT / "bench_all.json"
 
-# name -> (command after the interpreter, quick variant, timeout s, JSON the run leaves)
+# name -> (command after the interpreter, quick variant, timeout s, JSON the run leaves), in
+# the order they run: the short ones whose figures the host's load moves most (the stores'
+# slowest put call, the load proxy's GIL figures, the hooks' nanoseconds) first, on the quiet
+# machine a run starts on; the vLLM runs, which report confidence intervals, after them.
 BENCHES: dict[str, tuple[list[str], list[str], int, str]] = {
-    "core": (["bench_core.py"], ["bench_core.py"], 600, "core.json"),
-    "hooks": (
-        ["bench_hooks.py", "--json", str(OUT / "hooks.json")],
-        ["bench_hooks.py", "--number", "20000", "--repeat", "3", "--json", str(OUT / "hooks.json")],
-        600,
-        "hooks.json",
-    ),
-    "dump_hook": (["bench_dump_hook.py"], ["bench_dump_hook.py", "--steps", "50"], 600, ""),
-    # 16 vLLM starts (4 off/on pairs, two models) and 40 in-process toggle pairs: past
-    # 20 min on a 2-core machine, where 1200 s cut it off before it wrote anything
-    "step": (["bench_step.py"], ["bench_step.py", "--quick"], 3000, ""),
-    # real vLLM runs too (bench B, TTFT): both passed their old limits (900 s, 1500 s) on
-    # the machine of 2026-11-26, where a vLLM start took about a minute
-    "overlap": (["bench_overlap.py"], ["bench_overlap.py", "--quick"], 1800, ""),
-    # ours and no connector (4 repetitions each, up to 1500 s apiece there), then the peers
-    "ttft": (["bench_ttft.py"], ["bench_ttft.py", "--quick"], 5400, ""),
-    # a GPU hit's host side on CPU: 900 values of 1 MiB loaded by a fresh process, alone and
-    # beside a Python thread (about a minute with the full count)
-    "load_proxy": (
-        ["bench_load_proxy.py"],
-        ["bench_load_proxy.py", "--values", "200", "--repeat", "2"],
-        900,
-        "load_proxy.json",
-    ),
     "stores": (
         ["bench_stores.py", "--out", str(OUT / "stores")],
         [
@@ -67,6 +46,30 @@ BENCHES: dict[str, tuple[list[str], list[str], int, str]] = {
         900,
         "",
     ),
+    # a GPU hit's host side on CPU: 900 values of 1 MiB loaded by a fresh process, alone and
+    # beside a Python thread (about a minute with the full count)
+    "load_proxy": (
+        ["bench_load_proxy.py"],
+        ["bench_load_proxy.py", "--values", "200", "--repeat", "2"],
+        900,
+        "load_proxy.json",
+    ),
+    "core": (["bench_core.py"], ["bench_core.py"], 600, "core.json"),
+    "hooks": (
+        ["bench_hooks.py", "--json", str(OUT / "hooks.json")],
+        ["bench_hooks.py", "--number", "20000", "--repeat", "3", "--json", str(OUT / "hooks.json")],
+        600,
+        "hooks.json",
+    ),
+    "dump_hook": (["bench_dump_hook.py"], ["bench_dump_hook.py", "--steps", "50"], 600, ""),
+    # 16 vLLM starts (4 off/on pairs, two models) and 40 in-process toggle pairs: past
+    # 20 min on a 2-core machine, where 1200 s cut it off before it wrote anything
+    "step": (["bench_step.py"], ["bench_step.py", "--quick"], 3000, ""),
+    # real vLLM runs too (bench B, TTFT): both passed their old limits (900 s, 1500 s) on
+    # the machine of 2026-11-26, where a vLLM start took about a minute
+    "overlap": (["bench_overlap.py"], ["bench_overlap.py", "--quick"], 1800, ""),
+    # ours and no connector (4 repetitions each, up to 1500 s apiece there), then the peers
+    "ttft": (["bench_ttft.py"], ["bench_ttft.py", "--quick"], 5400, ""),
 }
 
 
