@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench-results"
+#: Where results go (``UCM_BENCH_RESULTS`` elsewhere: the smoke tests' temporary folder).
+RESULTS = Path(os.environ.get("UCM_BENCH_RESULTS") or REPO / "bench-results")
 MODELS = REPO / "models"
 PY = sys.executable
 

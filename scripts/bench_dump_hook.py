@@ -208,7 +208,7 @@ def run(steps: int, requests: int, blocks: int) -> dict[str, Any]:
     )
     tmp = tempfile.TemporaryDirectory(prefix="bench-dump-hook-")
     cfg = vllm_config({"store": "local", "local_path": tmp.name}, model="bench-dump-hook")
-    connector.make_store = lambda _config: MemoryStore()  # this process only, see MemoryStore
+    connector.make_store = lambda _config, **_kw: MemoryStore()  # this process only: MemoryStore
     conn = UCMPatchConnector(cfg, KVConnectorRole.WORKER, kvcc)
     buf = torch.zeros(len(LAYERS) * num_blocks * page, dtype=torch.int8)
     conn.register_kv_caches(dict.fromkeys(LAYERS, buf))

@@ -324,8 +324,9 @@ def child(spec_path: str, out_path: str) -> int:
             orig_make = connector.make_store
             holder: dict[str, Any] = {}
 
-            def make_store(cfg: Any) -> Any:
-                holder["store"] = make_latency_store(orig_make(cfg), latency_s, bw[0], busy)
+            def make_store(cfg: Any, *, value_bytes: int = 0) -> Any:
+                store = orig_make(cfg, value_bytes=value_bytes)
+                holder["store"] = make_latency_store(store, latency_s, bw[0], busy)
                 return holder["store"]
 
             connector.make_store = make_store  # this child only: wrap the configured store
