@@ -11,13 +11,18 @@ that, with nothing of vLLM:
   hit of 8K tokens) into a store built as the connector builds it (two tiers), and keeps
   its memory tier;
 * a fresh reader process opens it and loads every row with ``get_many_into`` into a
-  reused host buffer per thread (the connector's staging buffers) on the connector's
+  reused host buffer (the connector's staging buffers, made before the first load as
+  the connector reserves them) on the connector's
   default load threads (``--threads``): the first load (a new process: every segment
   mapped for the first time), then ``--repeat`` steady ones;
 * the same loads beside a thread running Python in a loop (vLLM's forward), at the
   default switch interval;
 * the floor: a memcpy of the same bytes and an XXH3 of them, side by side on two threads
   (the work a load must do), in the same process.
+
+The same for dumps: a fresh process puts every row (one ``put_many`` of a row's values, as
+the dump scheduler submits it, from buffers in memory) on the connector's default dump
+threads into a store with room, fresh keys each pass.
 
 Reported: GB/s alone and beside the Python thread, host CPU-seconds per GB loaded (the
 load threads' own, from ``getrusage`` per thread), wall alone against the floor, GIL
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import resource
 import shutil
 import statistics
@@ -104,21 +110,31 @@ class _Spinner:
         self._thread.join()
 
 
-def _load_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]], value_bytes: int
-              ) -> dict[str, float]:  # fmt: skip
-    """Every row on the load threads, each into its thread's reused buffer: wall seconds,
-    and the load threads' CPU seconds and voluntary context switches."""
-    local = threading.local()
+def _buffers(threads: int, nbytes: int) -> queue.SimpleQueue[memoryview]:
+    """One row's buffer per load thread, made and touched before any load: the connector
+    reserves its load buffers when the KV caches are registered (``StagingBuffers.reserve``),
+    so a new process's first hit allocates nothing."""
+    free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+    for _ in range(threads):
+        buf = memoryview(bytearray(nbytes))
+        buf[:] = bytes(nbytes)
+        free.put(buf)
+    return free
+
+
+def _load_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]], value_bytes: int,
+              free: queue.SimpleQueue[memoryview]) -> dict[str, float]:  # fmt: skip
+    """Every row on the load threads, each into a reused buffer: wall seconds, and the
+    load threads' CPU seconds and voluntary context switches."""
     usage: list[tuple[float, int]] = []
     lock = threading.Lock()
 
     def load_row(keys: list[str]) -> bool:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = memoryview(bytearray(len(keys) * value_bytes))
+        buf = free.get()
         before = resource.getrusage(resource.RUSAGE_THREAD)
         views = [buf[i * value_bytes : (i + 1) * value_bytes] for i in range(len(keys))]
         ok = all(store.get_many_into(keys, views))
+        free.put(buf)
         after = resource.getrusage(resource.RUSAGE_THREAD)
         with lock:
             usage.append((
@@ -175,12 +191,72 @@ def read(
     out: dict[str, Any] = {"values": values, "value_bytes": value_bytes, "threads": threads,
                            "switch_interval_s": sys.getswitchinterval(),
                            "row_helper": rowcopy.available()}  # fmt: skip
+    free = _buffers(threads, ROW_VALUES * value_bytes)
     with ThreadPoolExecutor(threads, thread_name_prefix="ucm-load") as pool:
-        out["first"] = _load_all(store, pool, rows, value_bytes)
-        out["alone"] = [_load_all(store, pool, rows, value_bytes) for _ in range(repeat)]
+        out["first"] = _load_all(store, pool, rows, value_bytes, free)
+        out["alone"] = [_load_all(store, pool, rows, value_bytes, free) for _ in range(repeat)]
         with _Spinner():
-            out["beside_python"] = [_load_all(store, pool, rows, value_bytes) for _ in range(2)]
+            out["beside_python"] = [
+                _load_all(store, pool, rows, value_bytes, free) for _ in range(2)
+            ]
     out["floor_s"] = _floor(nbytes)
+    store.close()
+    return out
+
+
+def _dump_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]],
+              data: list[memoryview], tag: str) -> dict[str, float]:  # fmt: skip
+    """Every row put by the dump threads, one ``put_many`` per row (as the dump scheduler
+    submits a row's values), fresh keys: wall seconds, the threads' CPU seconds and
+    voluntary context switches."""
+    usage: list[tuple[float, int]] = []
+    lock = threading.Lock()
+
+    def dump_row(keys: list[str]) -> bool:
+        before = resource.getrusage(resource.RUSAGE_THREAD)
+        items = [(f"{tag}/{k}", data[i % len(data)]) for i, k in enumerate(keys)]
+        ok = all(store.put_many(items))
+        after = resource.getrusage(resource.RUSAGE_THREAD)
+        with lock:
+            usage.append((
+                after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+                after.ru_nvcsw - before.ru_nvcsw,
+            ))  # fmt: skip
+        return ok
+
+    t0 = time.perf_counter()
+    ok = all(pool.map(dump_row, rows))
+    wall = time.perf_counter() - t0
+    if not ok:
+        raise SystemExit("bench_load_proxy: a dump was skipped (the memory tier has no room)")
+    return {"wall_s": wall, "cpu_s": sum(u[0] for u in usage), "waits": sum(u[1] for u in usage)}
+
+
+def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -> dict[str, Any]:
+    """The dump process: a fresh process puts every row into a store with room (the first
+    dump, then ``repeat`` steady ones, then two beside a Python thread), the store emptied
+    between passes (its segments keep their pages, as a store in use does)."""
+    store = _store(path, values * value_bytes, value_bytes)
+    warmer = getattr(store.memory, "_warmer", None)
+    if warmer is not None:
+        warmer.join()  # the connector's store opens at start, long before the first dump
+    keys = _keys(values)
+    rows = [keys[i : i + ROW_VALUES] for i in range(0, values, ROW_VALUES)]
+    data = [memoryview(bytearray(os.urandom(value_bytes))) for _ in range(8)]  # staging
+    out: dict[str, Any] = {"values": values, "value_bytes": value_bytes, "threads": threads,
+                           "switch_interval_s": sys.getswitchinterval()}  # fmt: skip
+    passes = iter(range(1 << 20))
+
+    def one() -> dict[str, float]:
+        store.clear()
+        return _dump_all(store, pool, rows, data, f"pass{next(passes)}")
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="ucm-dump") as pool:
+        out["first"] = _dump_all(store, pool, rows, data, "first")
+        out["alone"] = [one() for _ in range(repeat)]
+        with _Spinner():
+            out["beside_python"] = [one() for _ in range(2)]
+    out["floor_s"] = _floor(values * value_bytes)
     store.close()
     return out
 
@@ -210,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="load threads (0: the connector's)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", default=str(bc.RESULTS / "load_proxy.json"))
-    ap.add_argument("--role", choices=["write", "read"], help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=["write", "read", "dump"], help=argparse.SUPPRESS)
     ap.add_argument("--per-value", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -218,14 +294,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "write":
         write(Path(args.path), args.values, value_bytes)
         return 0
-    threads = args.threads
-    if not threads:  # the connector's default load_workers
-        from ucm_patch.connector.config import copy_threads
+    from ucm_patch.connector.config import copy_threads
 
-        threads = copy_threads()
+    threads = args.threads or copy_threads()  # the connector's default load_workers
+    dump_threads = args.threads or copy_threads()  # and dump_workers
     if args.role == "read":
         got = read(Path(args.path), args.values, value_bytes, threads, args.repeat, args.per_value)
         print(json.dumps(got))
+        return 0
+    if args.role == "dump":
+        print(json.dumps(dump(Path(args.path), args.values, value_bytes, threads, args.repeat)))
         return 0
     base = Path(tempfile.mkdtemp(prefix="ucm-load-proxy-"))
     common = [f"--values={args.values}", f"--value-bytes={args.value_bytes}"]
@@ -237,21 +315,28 @@ def main(argv: list[str] | None = None) -> int:
         for name, extra in (("per_value", ["--per-value"]), ("row", [])):
             res = subprocess.run([*reader, *extra], check=True, capture_output=True, text=True)
             runs[name] = json.loads(res.stdout.strip().splitlines()[-1])
+        dumper = [sys.executable, __file__, *common, f"--path={base / 'dumps'}", "--role=dump",
+                  f"--threads={dump_threads}", f"--repeat={args.repeat}"]  # fmt: skip
+        res = subprocess.run(dumper, check=True, capture_output=True, text=True)
+        runs["dumps"] = json.loads(res.stdout.strip().splitlines()[-1])
     finally:
         from ucm_patch.hooks.stores.local import default_memory_path
 
         shutil.rmtree(default_memory_path(base / "disk"), ignore_errors=True)
+        shutil.rmtree(default_memory_path(base / "dumps" / "disk"), ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
     # the targets read the store as it reads (the row helper where it builds); the
     # value-by-value reads (no compiler) as information, from the same run
     data = {**runs["row"], "summary": summarize(runs["row"])}
     data["per_value"] = {**runs["per_value"], "summary": summarize(runs["per_value"])}
+    data["dumps"] = {**runs["dumps"], "summary": summarize(runs["dumps"])}
     data["machine"] = bc.machine()
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(data, indent=1))
-    print(f"{'':24s} {'row helper':>12s} {'per value':>12s}")
+    print(f"{'':24s} {'row helper':>12s} {'per value':>12s} {'dumps':>12s}")
     for k, v in data["summary"].items():
-        print(f"{k:24s} {v:12.3f} {data['per_value']['summary'][k]:12.3f}")
+        per_value, dumps = data["per_value"]["summary"][k], data["dumps"]["summary"][k]
+        print(f"{k:24s} {v:12.3f} {per_value:12.3f} {dumps:12.3f}")
     return 0
 
 

@@ -20,7 +20,8 @@ def _verdict(ok: bool) -> str:
 
 
 def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
-    """The four CPU-proxy targets, and GIL waits per value as information."""
+    """The four CPU-proxy targets of loads and of dumps, GIL waits per value as
+    information."""
     if not d or "summary" not in d:
         return []
     s = d["summary"]
@@ -38,6 +39,22 @@ def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, st
         ("load proxy, GIL waits per value beside a Python thread", "(information)",
          f"{s['gil_waits_per_value']:.2f}", "(information)"),
     ]  # fmt: skip
+    dumps = d.get("dumps")
+    if dumps and "summary" in dumps:  # the same four for dumps: a row's puts, fresh keys
+        u = dumps["summary"]
+        rows += [
+            (f"dump proxy, beside a Python thread vs alone ({dumps['threads']} dump threads)",
+             f">= {BESIDE_SHARE:.0%}", f"{u['beside_share']:.1%} ({u['beside_python_gbps']:.2f} "
+             f"of {u['alone_gbps']:.2f} GB/s)", _verdict(u["beside_share"] >= BESIDE_SHARE)),
+            ("dump proxy, dump threads' CPU-seconds per GB", f"<= {CPU_S_PER_GB}",
+             f"{u['cpu_s_per_gb']:.2f}", _verdict(u["cpu_s_per_gb"] <= CPU_S_PER_GB)),
+            ("dump proxy, wall alone vs memcpy and XXH3 side by side", f"<= {WALL_VS_FLOOR}x",
+             f"{u['wall_vs_floor']:.2f}x", _verdict(u["wall_vs_floor"] <= WALL_VS_FLOOR)),
+            ("dump proxy, first dump in a new process vs steady", f"<= {FIRST_VS_STEADY}x",
+             f"{u['first_vs_steady']:.2f}x", _verdict(u["first_vs_steady"] <= FIRST_VS_STEADY)),
+            ("dump proxy, GIL waits per value beside a Python thread", "(information)",
+             f"{u['gil_waits_per_value']:.2f}", "(information)"),
+        ]  # fmt: skip
     old = d.get("per_value", {}).get("summary")
     if old:  # the same loads without the row helper (a host with no C compiler)
         rows.append(

@@ -233,7 +233,8 @@ def _raise_on_read() -> None:
         raise RuntimeError("store exploded")
 
     LocalStore.get_many = exploding  # type: ignore[method-assign]
-    LocalStore.get_many_into = exploding  # type: ignore[method-assign]  (what loads call)
+    LocalStore.get_many_into = exploding  # type: ignore[method-assign]  (loads: a device)
+    LocalStore.get_many_scattered = exploding  # type: ignore[method-assign]  (a host cache)
 
 
 class _ErrorLines(logging.Handler):

@@ -33,7 +33,8 @@ LOGGER = "vllm.ucm_patch.connector.worker_side"  # the connector logs under vLLM
 
 
 def _raise_runtime_error(*_args: object) -> list[bool]:
-    """In place of the store's page read (``get_many_into``, what loads use)."""
+    """In place of the store's read that loads use on a KV cache in host memory
+    (``get_many_scattered``: the store writes the pages into their blocks)."""
     raise RuntimeError("store exploded")
 
 
@@ -57,7 +58,7 @@ def test_store_raising_runtime_error_fails_the_layerwise_load_once_logged(
 ) -> None:
     h = Harness(UCMPatchConnector)
     prefill(h, "a", [1, 2, 3, 4])
-    monkeypatch.setattr(store, "get_many_into", _raise_runtime_error)
+    monkeypatch.setattr(store, "get_many_scattered", _raise_runtime_error)
     with caplog.at_level(logging.ERROR, logger=LOGGER):
         assert _layerwise_load(h, "b", [5, 6, 7, 8]) == {5, 6, 7}
         assert _layerwise_load(h, "c", [9, 10, 11, 12]) == {9, 10, 11}
@@ -96,7 +97,7 @@ def test_store_raising_runtime_error_fails_the_async_load_once_logged(
 ) -> None:
     h = Harness(UCMPatchConnector, {"load_mode": "async"})
     prefill(h, "a", [1, 2, 3, 4])
-    monkeypatch.setattr(store, "get_many_into", _raise_runtime_error)
+    monkeypatch.setattr(store, "get_many_scattered", _raise_runtime_error)
     with caplog.at_level(logging.ERROR, logger=LOGGER):
         _async_load(h, "b", [5, 6, 7, 8])
         _async_load(h, "c", [9, 10, 11, 12])
@@ -111,11 +112,15 @@ def test_wrong_sized_page_view_copy_error_is_a_load_error(
     store: ControlledLocalStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A torch error in the copy into vLLM's blocks (here: a destination view of the
-    wrong width) fails the load instead of escaping the load thread."""
+    wrong width) fails the load instead of escaping the load thread. The path of a KV
+    cache on a device (through a host buffer, then ``index_copy_``), taken here by
+    dropping the rows' host copy plans."""
     h = Harness(UCMPatchConnector)
     prefill(h, "a", [1, 2, 3, 4])
     h.step(so())
-    views = h.worker._worker_side.views
+    ws = h.worker._worker_side
+    ws.loads.plans = [None] * len(ws.views)
+    views = ws.views
     monkeypatch.setattr(views[0], "scatter", _raise_copy_error)
     assert _layerwise_load(h, "b", [5, 6, 7, 8]) == {5, 6, 7}
     assert connector.stats()["load_exceptions"] == 1
@@ -133,7 +138,7 @@ def test_failed_async_load_is_not_offered_again(
     fails every read (seen on real vLLM: the engine spun on one request)."""
     h = Harness(UCMPatchConnector, {"load_mode": "async"})
     prefill(h, "a", [1, 2, 3, 4])
-    monkeypatch.setattr(store, "get_many_into", _raise_runtime_error)
+    monkeypatch.setattr(store, "get_many_scattered", _raise_runtime_error)
     _async_load(h, "b", [5, 6, 7, 8])
     assert {r for s in h.failed_recv for r in s} == {"b"}
     assert h.sched.get_num_new_matched_tokens(Req("b", TOKENS), 0) == (0, False)

@@ -212,15 +212,16 @@ def _raise_value_error() -> None:
 
 # -- the connector's shutdown -----------------------------------------------------------
 def _held_get(store: ControlledLocalStore, gate: threading.Event, entered: threading.Event):
-    """The store's page read (``get_many_into``, what loads use) held at ``gate``."""
-    real = store.get_many_into
+    """The store's read that loads use on a host KV cache (``get_many_scattered``) held
+    at ``gate``."""
+    real = store.get_many_scattered
 
-    def get_many_into(keys: list[str], buffers: list[memoryview]) -> list[bool]:
+    def get_many_scattered(keys: list[str], targets: list) -> list[bool]:
         entered.set()
         gate.wait()
-        return real(keys, buffers)
+        return real(keys, targets)
 
-    return get_many_into
+    return get_many_scattered
 
 
 def test_connector_shutdown_returns_within_its_bound_while_a_load_hangs(
@@ -229,7 +230,7 @@ def test_connector_shutdown_returns_within_its_bound_while_a_load_hangs(
     h = Harness(UCMPatchConnector, {"load_mode": "async", "dump_exit_flush_s": BOUND_S})
     prefill(h, "a", [1, 2, 3, 4])
     gate, entered = threading.Event(), threading.Event()
-    monkeypatch.setattr(store, "get_many_into", _held_get(store, gate, entered))
+    monkeypatch.setattr(store, "get_many_scattered", _held_get(store, gate, entered))
     req = Req("b", TOKENS)
     assert h.sched.get_num_new_matched_tokens(req, 0)[1] is True  # an async hit
     h.sched.update_state_after_alloc(req, blocks([5, 6, 7, 8]), 12)

@@ -38,12 +38,15 @@ from ucm_patch.connector.worker_side import copy_pages
 STEPS = 6
 
 
+@pytest.mark.parametrize("host_plan", [True, False], ids=["host-cache", "device-path"])
 def test_steps_reuse_the_staging_buffers_and_give_every_one_back(
-    store: ControlledLocalStore,
+    store: ControlledLocalStore, host_plan: bool
 ) -> None:
     """Six requests dumped in six steps, then loaded by another worker: a handful of
     buffers in all (one per size class and thread), none lent between steps, and every
-    page still arrives intact."""
+    page still arrives intact. The loads of a KV cache in host memory take no buffer at
+    all (the store writes the blocks); those of a device's cache (taken here by dropping
+    the rows' host copy plans) reuse theirs."""
     a = GpuHarness("flash_attn", NHD)
     for layer in LAYERS:
         fill(a.caches[layer], hash(layer) % 1000)
@@ -64,6 +67,8 @@ def test_steps_reuse_the_staging_buffers_and_give_every_one_back(
 
     b = GpuHarness("flashinfer", NHD)
     rb = b.worker._worker_side
+    if not host_plan:
+        rb.loads.plans = [None] * len(rb.views)
     for step in range(STEPS):
         tokens = [t + 7919 * step for t in TOKENS]
         req = Req(f"b{step}", [*tokens[: 3 * BS], 1, 2, 3], block_size=BS)
@@ -75,7 +80,10 @@ def test_steps_reuse_the_staging_buffers_and_give_every_one_back(
             for src, d in zip([3 + step, 7 + step, 11 + step], dst, strict=False):
                 assert torch.equal(b.block(layer, d), a.block(layer, src)), (step, layer, src)
         assert rb.internal_sizes()["staging_lent"] == 0
-    assert 1 <= rb.staging.allocated <= 2, rb.staging.allocated
+    if host_plan:
+        assert rb.staging.allocated == 0, rb.staging.allocated
+    else:
+        assert 1 <= rb.staging.allocated <= 2, rb.staging.allocated
     assert b.worker.get_block_ids_with_load_errors() == set()
 
 
@@ -197,3 +205,27 @@ def test_a_dump_thread_copies_without_waiting_for_the_forward_stream(
     pages.release()
     copy_pages(view, idx, (2,), pool).release()
     assert seen == [False, True] and pool.lent == 0
+
+
+def test_reserved_buffers_serve_the_first_loads_without_an_allocation() -> None:
+    """Buffers reserved when the caches are registered (a device's: pinned) are what the
+    first loads take: no allocation on the first hit of a new process."""
+    pool = StagingBuffers(torch.device("cpu"))
+    pool.reserve(3 << 20, 2)
+    assert pool.allocated == 2
+    first, second = pool.take(3 << 20), pool.take((3 << 20) - 5)
+    assert pool.allocated == 2 and first.data_ptr() != second.data_ptr()
+    pool.give(first)
+    pool.give(second)
+    pool.reserve(3 << 20, 2)  # already there: nothing more made
+    assert pool.allocated == 2
+
+
+def test_a_row_reserves_for_a_hit_of_the_whole_context(store: ControlledLocalStore) -> None:
+    """The reservation covers one row's pages of a hit as long as vLLM's max_model_len:
+    whole blocks of the row's group, times its page."""
+    h = GpuHarness("flash_attn", NHD)
+    ws = h.worker._worker_side
+    page = ws.views[0].page_bytes
+    assert ws._row_bytes(10 * BS) == 10 * page
+    assert ws._row_bytes(10 * BS + 1) == 11 * page

@@ -124,3 +124,31 @@ def test_the_helper_checks_what_xxhash_checks(tmp_path: Path) -> None:
     ]  # fmt: skip
     with pytest.raises(ValueError, match="item 0: dst has 1 bytes, src 2"):
         rowcopy.copy_verify_many([(dsts[0], memoryview(b"ab"), 0, 0)])
+
+
+def test_a_put_batch_is_copied_and_framed_in_one_call(tmp_path: Path, monkeypatch) -> None:
+    """A dump's batch into the memory tier: one foreign call copies and frames every value
+    (the GIL given up once per batch); the frames are the ones ``make_header`` computes,
+    so every reader (native or not) verifies them."""
+    assert rowcopy.available()
+    calls: list[int] = []
+    real = rowcopy._frame
+    monkeypatch.setattr(rowcopy, "_frame", lambda h, items: calls.append(len(items))
+                        or real(h, items))  # fmt: skip
+    s = _store(tmp_path)
+    values = _row(4)
+    assert all(s.put_many(list(values.items())))
+    assert calls == [4]
+    for key, value in values.items():
+        loc = s.where(key)
+        assert loc is not None and loc.tier == "memory"
+        with open(os.path.join(s.memory.path, loc.file), "rb") as f:  # type: ignore[union-attr]
+            f.seek(loc.offset - framing.HEADER_SIZE)
+            header = f.read(framing.HEADER_SIZE)
+        assert header == framing.make_header(key.encode(), memoryview(value))
+    ok, bufs = _read(s, values)
+    assert ok == [True] * 4 and [bytes(b) for b in bufs] == list(values.values())
+    monkeypatch.setattr(rowcopy, "_helper", None)  # the value-by-value reads agree
+    monkeypatch.setattr(rowcopy, "_tried", True)
+    assert s.get_many(list(values)) == list(values.values())
+    s.close()

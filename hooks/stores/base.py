@@ -35,6 +35,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from ucm_patch.hooks.settings import SettingError
+from ucm_patch.hooks.stores.scatter import Scatter, scatter_from
 
 
 class StoreError(RuntimeError):
@@ -96,6 +97,25 @@ class KVStore(ABC):
                 out.append(False)
                 continue
             buf[:] = value
+            out.append(True)
+        return out
+
+    def get_many_scattered(self, keys: Sequence[str], targets: Sequence[Scatter]) -> list[bool]:
+        """Write each key's value where the target of the same index says (its pages into
+        another memory, a KV cache: :mod:`~ucm_patch.hooks.stores.scatter`); True per value
+        written and verified, False when it is missing, corrupt or not the target's size
+        (its pages may have been written then: they hold nothing usable). The caller
+        checked every page address. Stores that read in place override this (the local
+        store: straight from its segments); this default reads each value, then writes its
+        runs."""
+        if len(keys) != len(targets):
+            raise ValueError(f"get_many_scattered: {len(keys)} keys for {len(targets)} targets")
+        out: list[bool] = []
+        for value, target in zip(self.get_many(keys), targets, strict=True):
+            if value is None or len(value) != target.nbytes:
+                out.append(False)
+                continue
+            scatter_from(memoryview(value), target)
             out.append(True)
         return out
 

@@ -63,6 +63,7 @@ from collections.abc import Callable, Sequence
 from ucm_patch import environment
 from ucm_patch.hooks.stores import rowcopy
 from ucm_patch.hooks.stores.memcopy import addresses, copy_bytes, move
+from ucm_patch.hooks.stores.scatter import Scatter, scatter_from
 
 try:  # XXH3 (module docstring); CRC32 without the package
     from xxhash import xxh3_64 as _xxh3_64
@@ -235,6 +236,24 @@ def copy_framed(key: bytes, dst: memoryview, src: memoryview, secret: bytes | No
     return prefix + _U32.pack(h.intdigest() & _LOW32)
 
 
+def copy_framed_many(
+    entries: Sequence[tuple[bytes, memoryview, memoryview | bytes]], secret: bytes | None = None
+) -> list[bytes] | None:
+    """:func:`copy_framed` of each (key, dst, src), in one call for all of them
+    (:func:`.rowcopy.frame_many`: the GIL given up once per batch, not once per value and
+    piece): their frame headers. None where that cannot be (a keyed store, no XXH3, no
+    helper, a buffer without an address): the caller frames value by value."""
+    if secret is not None or _xxh3_64_int is None:
+        return None
+    prefixes = [_prefixes.get(len(src)) or _unkeyed_prefix(len(src)) for _k, _d, src in entries]
+    items = [(dst, src, prefix + key) for (key, dst, src), prefix in zip(entries, prefixes,
+                                                                        strict=True)]  # fmt: skip
+    digests = rowcopy.frame_many(items)
+    if digests is None:
+        return None
+    return [p + _U32.pack(d & _LOW32) for p, d in zip(prefixes, digests, strict=True)]
+
+
 def copy_verified(
     key: bytes,
     header: bytes | memoryview,
@@ -299,6 +318,53 @@ def copy_verified_many(
                 copy_verified(key, header, dst, src, secret)
             except CorruptValue as exc:
                 out[i] = exc
+    return out
+
+
+def scatter_verified_many(
+    entries: Sequence[tuple[bytes, bytes | memoryview, memoryview, Scatter]],
+    secret: bytes | None = None,
+) -> list[CorruptValue | None]:
+    """For each (key, header, src, target): ``src``'s pages written where ``target`` says
+    (:mod:`.scatter`) and ``src`` verified against ``header``: None per value written and
+    verified, its :class:`CorruptValue` otherwise (its pages may have been written: they
+    hold nothing usable). The values this version writes unkeyed, in one call for all of
+    them (:func:`.rowcopy.scatter_verify_many`: hashed from ``src`` page by page beside
+    the copies); the others, or all of them where that helper is unavailable, verified
+    first, then written run by run (:func:`.scatter.scatter_from`)."""
+    out: list[CorruptValue | None] = [None] * len(entries)
+    batch: list[rowcopy.ScatterItem] = []
+    where: list[int] = []
+    if secret is None and _xxh3_64_int is not None:
+        for i, (key, header, src, target) in enumerate(entries):
+            n = len(src)
+            if n == target.nbytes and header[:_PREFIX] == (_prefixes.get(n) or _unkeyed_prefix(n)):
+                seed = bytes(header[:_PREFIX]) + key
+                batch.append((src, seed, _U32.unpack_from(header, _PREFIX)[0], target))
+                where.append(i)
+    checked = rowcopy.scatter_verify_many(batch) if batch else None
+    if checked is None:
+        where = []
+    for i, ok in zip(where, checked or (), strict=True):
+        if not ok:  # the precise reason
+            key, header, src, _target = entries[i]
+            try:
+                verify(key, header, src, secret)
+            except CorruptValue as exc:
+                out[i] = exc
+            else:  # the bytes changed between the two checks: still not to be trusted
+                out[i] = CorruptValue("checksum mismatch while the value was copied")
+    done = set(where)
+    for i, (key, header, src, target) in enumerate(entries):
+        if i in done:
+            continue
+        try:
+            verify(key, header, src, secret)
+            scatter_from(src, target)
+        except CorruptValue as exc:
+            out[i] = exc
+        except ValueError as exc:  # a value not the size of its pages
+            out[i] = CorruptValue(str(exc))
     return out
 
 

@@ -59,7 +59,7 @@ from typing import NamedTuple
 from xxhash import xxh3_128_digest
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
-from ucm_patch.hooks.stores import memory_tiers
+from ucm_patch.hooks.stores import memory_tiers, rowcopy
 from ucm_patch.hooks.stores.base import KVStore, StoreError, ValueSizeError
 from ucm_patch.hooks.stores.framing import (
     HEADER_SIZE,
@@ -69,6 +69,7 @@ from ucm_patch.hooks.stores.framing import (
     load_store_key,
     verify,
 )
+from ucm_patch.hooks.stores.scatter import Scatter
 from ucm_patch.hooks.stores.segment_files import SegmentLost
 from ucm_patch.hooks.stores.segment_index import Loc
 from ucm_patch.hooks.stores.tier import (
@@ -262,6 +263,8 @@ class LocalStore(KVStore):
             self._memory_use = None
         if self.memory is not None:  # its reserve is refilled by a process of its own
             self.memory.cleaner.use_process(self.disk)
+            # the row helper built or loaded now, not in the first hit's read
+            rowcopy.available()
         self.tiers: tuple[Tier, ...] = (self.memory, self.disk) if self.memory else (self.disk,)
         self.capacity_bytes = self.disk.capacity_bytes
         self.fsync = fsync
@@ -479,8 +482,25 @@ class LocalStore(KVStore):
         self._read(keys, views, out)
         return [v is not None for v in out]
 
+    def get_many_scattered(self, keys: Sequence[str], targets: Sequence[Scatter]) -> list[bool]:
+        """Write each value's pages where its target says, straight from the segment it
+        is in (the memory tier: every value of a call in one native call, checksum fused,
+        :func:`~.framing.scatter_verified_many`), then check the segment still holds it;
+        False for a value missing, corrupt, not the target's size, or whose segment was
+        emptied meanwhile (its pages were written then, and hold nothing usable)."""
+        self._check_open()
+        if len(keys) != len(targets):
+            raise ValueError(f"get_many_scattered: {len(keys)} keys for {len(targets)} targets")
+        out: list[bytes | None] = [None] * len(keys)
+        self._read(keys, None, out, targets)
+        return [v is not None for v in out]
+
     def _read(
-        self, keys: Sequence[str], into: list[memoryview] | None, out: list[bytes | None]
+        self,
+        keys: Sequence[str],
+        into: list[memoryview] | None,
+        out: list[bytes | None],
+        targets: Sequence[Scatter] | None = None,
     ) -> None:
         kbs = [key_bytes(k) for k in keys]
         todo = list(range(len(keys)))
@@ -503,6 +523,18 @@ class LocalStore(KVStore):
                         self._say_corrupt(tier, kbs[i], why)
                         corrupt += self._corrupt(tier, digests[i], loc, keys[i])
                     found = []  # a value of another size is a miss, never corrupt
+                elif targets is not None:  # into another memory: the same, page by page
+                    fits = [(i, loc) for i, loc in found
+                            if loc.size - HEADER_SIZE == targets[i].nbytes]  # fmt: skip
+                    scattered = [(loc, kbs[i], targets[i]) for i, loc in fits]
+                    results = tier.read_scattered_many(scattered)
+                    for (i, loc), why in zip(fits, results, strict=True):
+                        if why is None:
+                            got.append((i, loc, b""))
+                            continue
+                        self._say_corrupt(tier, kbs[i], why)
+                        corrupt += self._corrupt(tier, digests[i], loc, keys[i])
+                    found = []
                 for i, loc in found:
                     value = self._read_one(tier, loc, kbs[i])
                     if value is not None:

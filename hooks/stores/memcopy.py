@@ -29,6 +29,17 @@ def bytes_address(b: bytes) -> int:
     return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
 
 
+def address(buf: memoryview | bytes) -> int | None:
+    """Where ``buf`` starts, when it is a writable contiguous buffer or a ``bytes`` object
+    (valid while the caller holds it), else None."""
+    if type(buf) is bytes:
+        return bytes_address(buf)
+    try:
+        return _addressof(_from_buffer(buf))
+    except (TypeError, ValueError, BufferError):
+        return None
+
+
 def addresses(dst: memoryview, src: memoryview | bytes) -> tuple[int, int] | None:
     """The start addresses of ``dst`` and ``src`` when ``dst`` is a writable contiguous
     buffer and ``src`` one too or a ``bytes`` object (valid while the caller holds them),
@@ -62,4 +73,4 @@ def copy_bytes(dst: memoryview, src: memoryview | bytes) -> None:
     dst[:] = src
 
 
-__all__ = ["GIL_FREE_MIN", "addresses", "bytes_address", "copy_bytes", "move"]
+__all__ = ["GIL_FREE_MIN", "address", "addresses", "bytes_address", "copy_bytes", "move"]

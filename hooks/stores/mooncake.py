@@ -68,6 +68,7 @@ from ucm_patch.hooks.stores.framing import (
     make_header,
     verify,
 )
+from ucm_patch.hooks.stores.scatter import Scatter, scatter_from
 
 log = logging.getLogger(__name__)
 
@@ -505,6 +506,23 @@ class MooncakeStore(KVStore):
             if len(payload) != len(dst):
                 return -1  # a value of another size: not this buffer's
             dst[:] = payload
+            out[i] = True
+            return len(payload)
+
+        self._read_many(keys, take)
+        return out
+
+    def get_many_scattered(self, keys: Sequence[str], targets: Sequence[Scatter]) -> list[bool]:
+        """Each value's pages written where its target says, from the registered staging
+        buffer its frame was checked in (one copy per byte, no ``bytes`` per value)."""
+        if len(keys) != len(targets):
+            raise ValueError(f"get_many_scattered: {len(keys)} keys for {len(targets)} targets")
+        out = [False] * len(keys)
+
+        def take(i: int, payload: memoryview) -> int:
+            if len(payload) != targets[i].nbytes:
+                return -1  # a value of another size: not these pages'
+            scatter_from(payload, targets[i])
             out[i] = True
             return len(payload)
 

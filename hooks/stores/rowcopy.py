@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ucm_patch import environment
-from ucm_patch.hooks.stores.memcopy import addresses, bytes_address
+from ucm_patch.hooks.stores.memcopy import address, addresses, bytes_address
+from ucm_patch.hooks.stores.scatter import PagePlan, Scatter, run_arrays, same_plan
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,12 @@ class _Api(ctypes.Structure):
 
 
 class _Helper:
-    """The loaded helper: its entry point and the XXH3 functions it calls."""
+    """The loaded helper: its entry points and the XXH3 functions it calls."""
 
-    def __init__(self, fn: Any, api: _Api, keep: tuple[Any, ...]) -> None:
+    def __init__(self, fn: Any, scatter: Any, frame: Any, api: _Api, keep: tuple[Any, ...]):
         self.fn = fn
+        self.scatter = scatter
+        self.frame = frame
         self.api = api
         self.keep = keep  # the libraries, loaded for as long as the helper is
 
@@ -119,9 +122,16 @@ def _load() -> _Helper:
     p = ctypes.c_void_p
     fn.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, p, p, p]
     fn.restype = ctypes.c_int
+    scatter = lib.ucm_rowscatter
+    scatter.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, ctypes.c_size_t, p, p,
+                        ctypes.c_size_t, p, p, p, p, p]  # fmt: skip
+    scatter.restype = ctypes.c_int
+    frame = lib.ucm_rowframe
+    frame.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, p]
+    frame.restype = ctypes.c_int
     xxh = _xxh3_library()
     api = _Api(*[ctypes.cast(getattr(xxh, name), p).value for name in XXH3_SYMBOLS])
-    helper = _Helper(fn, api, (lib, xxh))
+    helper = _Helper(fn, scatter, frame, api, (lib, xxh))
     _self_test(helper)
     return helper
 
@@ -140,6 +150,20 @@ def _self_test(helper: _Helper) -> None:
     got = _call(helper, items)
     if got != [True, False, True] or dst != src:
         raise OSError(f"self-test failed: {got}")
+    # two pages of 64 bytes, each two runs swapped in place, the second page skipped
+    plan = PagePlan(64, ((0, 32, 32), (32, 0, 32)))
+    value = memoryview(bytearray(os.urandom(128)))
+    out = memoryview(bytearray(64))
+    target = Scatter(plan, (address(out) or 0, 0))
+    want = xxhash.xxh3_64_intdigest(value, seed) & 0xFFFFFFFF
+    got = _scatter(helper, [(value, seed, want, target), (value, seed, want ^ 1, target)])
+    if got != [True, False] or out != bytes(value[32:64]) + bytes(value[:32]):
+        raise OSError(f"scatter self-test failed: {got}")
+    copy = memoryview(bytearray(len(src)))
+    digests = _frame(helper, [(copy, src, material)])
+    framed = xxhash.xxh3_64_intdigest(src, xxhash.xxh3_64_intdigest(material))
+    if digests != [framed] or copy != src:
+        raise OSError(f"frame self-test failed: {digests} != {[framed]}")
 
 
 def _get() -> _Helper | None:
@@ -209,4 +233,110 @@ def _call(helper: _Helper, items: Sequence[Item]) -> list[bool] | None:
     return [bool(x) for x in ok]
 
 
-__all__ = ["SOURCE", "XXH3_SYMBOLS", "available", "copy_verify_many"]
+#: One value of :func:`frame_many`: (dst, src, the bytes whose XXH3-64 is the seed).
+FrameItem = tuple[memoryview, memoryview | bytes, bytes]
+
+
+def frame_many(items: Sequence[FrameItem]) -> list[int] | None:
+    """For each (dst, src, seed material): copy ``src`` into ``dst`` (same length) and
+    answer XXH3-64 of the copy, seeded with XXH3-64 of the material, every value in one
+    call without the GIL (a put's frames: :func:`~.framing.copy_framed_many`). None when
+    the helper is unavailable or a buffer has no address: the caller then frames value
+    by value."""
+    helper = _get()
+    if helper is None or not items:
+        return None if helper is None else []
+    return _frame(helper, items)
+
+
+def _frame(helper: _Helper, items: Sequence[FrameItem]) -> list[int] | None:
+    n = len(items)
+    dst = (ctypes.c_void_p * n)()
+    src = (ctypes.c_void_p * n)()
+    size = (ctypes.c_size_t * n)()
+    seed_src = (ctypes.c_void_p * n)()
+    seed_len = (ctypes.c_size_t * n)()
+    digest = (ctypes.c_uint64 * n)()
+    for i, (d, s, material) in enumerate(items):
+        if len(s) != len(d):
+            raise ValueError(f"frame_many: item {i}: dst has {len(d)} bytes, src {len(s)}")
+        at = addresses(d, s)
+        if at is None:
+            return None
+        dst[i], src[i], size[i] = at[0], at[1], len(d)
+        seed_src[i], seed_len[i] = bytes_address(material), len(material)
+    api = ctypes.byref(helper.api)
+    if helper.frame(n, dst, src, size, seed_src, seed_len, api, digest) != 0:
+        return None
+    return list(digest)
+
+
+#: One value of :func:`scatter_verify_many`: (src, seed, want, target); the seed as in
+#: :data:`Item`.
+ScatterItem = tuple[memoryview, int | bytes, int, Scatter]
+
+
+def scatter_verify_many(items: Sequence[ScatterItem]) -> list[bool] | None:
+    """For each (src, seed, want, target): write ``src``'s pages where ``target`` says
+    (:mod:`.scatter`) and check the low 32 bits of XXH3-64(src, seed) against ``want``,
+    every value in one call without the GIL: True per value that checks (a False one's
+    pages were written, and hold nothing usable). Every target shares one plan. None when
+    the helper is unavailable, the plans differ, or a source has no address: the caller
+    then does it value by value."""
+    helper = _get()
+    if helper is None or not items:
+        return None if helper is None else []
+    return _scatter(helper, items)
+
+
+def _scatter(helper: _Helper, items: Sequence[ScatterItem]) -> list[bool] | None:
+    plan = same_plan([t for _s, _sd, _w, t in items])
+    if plan is None:
+        return None
+    n = len(items)
+    pages = sum(len(t.pages) for _s, _sd, _w, t in items)
+    src = (ctypes.c_void_p * n)()
+    size = (ctypes.c_size_t * n)()
+    seed = (ctypes.c_uint64 * n)()
+    seed_src = (ctypes.c_void_p * n)()
+    seed_len = (ctypes.c_size_t * n)()
+    want = (ctypes.c_uint32 * n)()
+    first = (ctypes.c_size_t * n)()
+    dst_page = (ctypes.c_void_p * max(1, pages))()
+    ok = (ctypes.c_uint8 * n)()
+    at = 0
+    for i, (s, sd, w, t) in enumerate(items):
+        if len(s) != t.nbytes:
+            raise ValueError(f"scatter_verify_many: item {i}: src has {len(s)} bytes, "
+                             f"its target {t.nbytes}")  # fmt: skip
+        where = address(s)
+        if where is None:
+            return None
+        src[i], size[i], want[i], first[i] = where, len(s), w, at
+        for p in t.pages:
+            dst_page[at] = p or None
+            at += 1
+        if type(sd) is bytes:  # kept alive by ``items`` for the call
+            seed_src[i], seed_len[i] = bytes_address(sd), len(sd)
+        else:
+            seed[i] = sd
+    run_src, run_dst, run_len = run_arrays(plan)
+    api = ctypes.byref(helper.api)
+    args = (n, src, size, seed, seed_src, seed_len, want, plan.page_bytes, first, dst_page,
+            len(plan.runs), run_src, run_dst, run_len, api, ok)  # fmt: skip
+    if helper.scatter(*args) != 0:
+        return None
+    return [bool(x) for x in ok]
+
+
+__all__ = [
+    "SOURCE",
+    "XXH3_SYMBOLS",
+    "FrameItem",
+    "Item",
+    "ScatterItem",
+    "available",
+    "copy_verify_many",
+    "frame_many",
+    "scatter_verify_many",
+]

@@ -44,13 +44,16 @@ from ucm_patch.hooks.stores.framing import (
     PIECE,
     CorruptValue,
     copy_framed,
+    copy_framed_many,
     copy_verified,
     copy_verified_many,
     make_header,
+    scatter_verified_many,
     verify,
 )
 from ucm_patch.hooks.stores.memcopy import copy_bytes
 from ucm_patch.hooks.stores.ownership import ForeignFile, check_entries, open_dir, open_file
+from ucm_patch.hooks.stores.scatter import Scatter
 from ucm_patch.hooks.stores.segment_cleaner import LEASE_IDLE_S, SegmentCleaner, reserve_for
 from ucm_patch.hooks.stores.segment_files import (
     FileSegments,
@@ -494,6 +497,8 @@ class Tier:
         over ``PIECE`` piece by piece, so that it stays so), and a file segment gets one
         ``pwritev`` of the batch."""
         view = self.files.mapping(lease.seg, end, write=True)
+        if view is not None and not framed and self._write_framed_in_one_call(lease, batch, view):
+            return
         if not framed and min([len(r[2]) for r in batch]) >= (
             PIECE if view is None else MAPPED_SIDECAR_MIN
         ):
@@ -520,6 +525,28 @@ class Tier:
             self.files.write(lease.seg, lease.end, _file_parts(batch, headers))
         if view is None and self.fsync:
             self.files.sync(lease.seg)
+
+    def _write_framed_in_one_call(self, lease: Lease, batch: list[Record], view: memoryview
+                                  ) -> bool:  # fmt: skip
+        """A batch into a mapped segment, every payload copied and framed in one native
+        call (:func:`~.framing.copy_framed_many`: the GIL given up once per batch; beside
+        vLLM's forward, a thread that keeps it, each give-up per value or piece waited up
+        to the switch interval). False when that cannot be (a keyed store, no helper):
+        nothing was written, the caller writes the batch its own way."""
+        starts: list[int] = []
+        copies: list[tuple[bytes, memoryview, memoryview | bytes]] = []
+        off = lease.end
+        for _digest, key, payload in batch:
+            at = off + RECORD_HEADER
+            starts.append(off)
+            copies.append((key, view[at : at + len(payload)], payload))
+            off = (at + len(payload) + 63) & ~63
+        headers = copy_framed_many(copies, self.secret)
+        if headers is None:
+            return False
+        for start, header, (digest, _key, _payload) in zip(starts, headers, batch, strict=True):
+            view[start : start + RECORD_HEADER] = digest + _PAD + header
+        return True
 
     def _write_hashing_meanwhile(
         self, lease: Lease, batch: list[Record], view: memoryview | None
@@ -909,6 +936,35 @@ class Tier:
             )
             where.append(i)
         for i, why in zip(where, copy_verified_many(entries, self.secret), strict=True):
+            out[i] = why
+        return out
+
+    def read_scattered_many(
+        self, reads: Sequence[tuple[Loc, bytes, Scatter]]
+    ) -> list[CorruptValue | SegmentLost | None]:
+        """Each (loc, key, target): the value's pages written where ``target`` says and
+        verified, None per value done, else why not. A mapped tier does them all from its
+        segments in one call (:func:`~.framing.scatter_verified_many`); any other reads
+        each value first."""
+        out: list[CorruptValue | SegmentLost | None] = [None] * len(reads)
+        entries: list[tuple[bytes, memoryview, memoryview, Scatter]] = []
+        where: list[int] = []
+        for i, (loc, key, target) in enumerate(reads):
+            try:
+                view = self.files.mapping(loc.seg, loc.offset + FRAME_AT + loc.size)
+                if view is None:
+                    head, body = self.read(loc)
+                    entries.append((key, memoryview(head), memoryview(body), target))
+                else:
+                    at = loc.offset + RECORD_HEADER
+                    n = loc.size - HEADER_SIZE
+                    entries.append((key, view[loc.offset + FRAME_AT : at], view[at : at + n],
+                                    target))  # fmt: skip
+            except (CorruptValue, SegmentLost) as exc:
+                out[i] = exc
+                continue
+            where.append(i)
+        for i, why in zip(where, scatter_verified_many(entries, self.secret), strict=True):
             out[i] = why
         return out
 

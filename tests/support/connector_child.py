@@ -435,7 +435,8 @@ def _break_gets() -> dict[str, Any]:
         raise RuntimeError("store exploded")
 
     LocalStore.get_many = exploding  # type: ignore[method-assign]
-    LocalStore.get_many_into = exploding  # type: ignore[method-assign]  (what loads call)
+    LocalStore.get_many_into = exploding  # type: ignore[method-assign]  (loads: a device)
+    LocalStore.get_many_scattered = exploding  # type: ignore[method-assign]  (a host cache)
     # The connector logs under vLLM's logger ("vllm.ucm_patch..."), the rest under ucm_patch.
     for name in ("ucm_patch", "vllm.ucm_patch"):
         logging.getLogger(name).addHandler(_ErrorLines(logging.ERROR))

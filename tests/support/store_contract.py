@@ -255,6 +255,49 @@ def case_get_many_into_reads_in_place(h: Harness) -> None:
         raise AssertionError("get_many_into accepted 4 keys for 2 buffers")
 
 
+def case_get_many_scattered_writes_pages_where_told(h: Harness) -> None:
+    """``get_many_scattered`` (the connector's loads into a KV cache in host memory)
+    writes each value's pages where its target says, run by run (here: each 1000-byte
+    page's two halves swapped), answers False for a missing, corrupt or other-size value,
+    and counts like ``get_many``."""
+    from ucm_patch.hooks.stores.memcopy import address
+    from ucm_patch.hooks.stores.scatter import PagePlan, Scatter
+
+    s = h.make()
+    page, pages = 1000, 3
+    plan = PagePlan(page, ((0, page // 2, page // 2), (page // 2, 0, page // 2)))
+    values = [_blob(90 + i, page * pages) for i in range(2)]
+    keys = [h.key(f"scatter-{i}") for i in range(2)]
+    other, bad = h.key("scatter-other-size"), h.key("scatter-corrupt")
+    assert (
+        s.put_many([*zip(keys, values, strict=True), (other, b"x" * 10), (bad, values[0])])
+        == [True] * 4
+    )
+    h.tamper(s, bad, "flip")
+    cache = memoryview(bytearray(page * pages * 5))
+    base = address(cache)
+    assert base is not None
+    to = [
+        Scatter(plan, tuple(base + (k * pages + j) * page for j in range(pages))) for k in range(5)
+    ]
+    wanted = [*keys, h.key("scatter-missing"), other, bad]
+    before = dict(s.stats)
+    assert s.get_many_scattered(wanted, to) == [True, True, False, False, False]
+    for k, value in enumerate(values):
+        for j in range(pages):
+            got = bytes(cache[(k * pages + j) * page :][:page])
+            want = value[j * page : (j + 1) * page]
+            assert got == want[page // 2 :] + want[: page // 2], (k, j)
+    d = _delta(before, s.stats)
+    assert (d.get("hits"), d.get("misses"), d.get("corrupt")) == (2, 3, 1), d
+    try:
+        s.get_many_scattered(keys, to[:1])
+    except ValueError as exc:
+        assert "2 keys for 1 targets" in str(exc), exc
+    else:
+        raise AssertionError("get_many_scattered accepted 2 keys for 1 target")
+
+
 CASES: dict[str, Callable[[Harness], None]] = {
     name[len("case_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")
 }

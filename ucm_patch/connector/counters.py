@@ -39,9 +39,10 @@ COUNTERS = (
     "finished_recving",
 )
 #: Seconds of the hits: the scheduler looking up the stored prefix (lookup), the load
-#: threads reading values from the store into host buffers (read) and copying them into
-#: the KV cache (copy), summed over threads, and the forward thread waiting for a
-#: layerwise row it needs (stall).
+#: threads' store calls (read: into host buffers for a device's cache, or straight into
+#: the blocks of a cache in host memory) and their copies from those buffers into a
+#: device's cache (copy: 0 where the store wrote the blocks itself), summed over threads,
+#: and the forward thread waiting for a layerwise row it needs (stall).
 SECONDS = ("lookup_s", "load_read_s", "load_copy_s", "load_stall_s")
 
 _lock = threading.Lock()

@@ -164,6 +164,9 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
                 _tp_rank(self.layout.tp_size),
                 can_load=can_load,
                 can_dump=can_dump,
+                reserve_tokens=int(
+                    getattr(getattr(vllm_config, "model_config", None), "max_model_len", 0) or 0
+                ),
             )
             # The two per-layer calls go straight to the worker side: one Python frame
             # less per layer per step each (a sizeable share of the per-layer save-path

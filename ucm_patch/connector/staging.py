@@ -103,6 +103,25 @@ class StagingBuffers:
             self._register(buf.data_ptr(), size)
         return buf
 
+    def reserve(self, nbytes: int, count: int) -> None:
+        """Have ``count`` buffers of at least ``nbytes`` ready (at most
+        :data:`KEEP_PER_CLASS`), made now: a pinned allocation takes milliseconds, and the
+        first hit of a new process would otherwise pay them (the caches' registration
+        calls this, off the request path)."""
+        size = _size_class(nbytes)
+        with self._lock:
+            have = len(self._free.get(size, ()))
+        made = []
+        for _ in range(min(count, KEEP_PER_CLASS) - have):
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+            buf.fill_(0)  # every page touched now, not in the first copy into it
+            if self._register is not None:
+                self._register(buf.data_ptr(), size)
+            made.append(buf)
+        with self._lock:
+            self.allocated += len(made)
+            self._free.setdefault(size, []).extend(made)
+
     def give(self, buf: torch.Tensor) -> None:
         """Take ``buf`` back (kept for the next :meth:`take` of its size class)."""
         with self._lock:

@@ -21,7 +21,8 @@ threads, ``wait_for_layer_load`` waits only for the layer's row
 calling ``wait_for_layer_load`` in this process (no hook on that layer, or the first step of
 a new process) is loaded completely in ``start_load_kv`` instead: a load is never
 "waited for" by a hook that does not fire. Async: each request loads on the load threads
-between steps and is reported in ``finished_recving``.
+between steps and is reported in ``finished_recving``. What a load thread does with a row
+(the copy plan, its executors) is :mod:`ucm_patch.connector.row_loads`.
 
 **Load errors.** A missing, corrupt (checksum) or wrong-sized value, a store error, or any
 other exception raised while loading (a torch copy error, a store raising something other
@@ -70,17 +71,16 @@ from ucm_patch.connector.page_views import (
     placement_view,
     raw_view,
 )
+from ucm_patch.connector.row_loads import LoadJob, RowLoads
 from ucm_patch.connector.rows import RowLoader
 from ucm_patch.connector.staging import StagedPages, StagingBuffers
 from ucm_patch.hooks.dump import Batch, DumpScheduler, get_scheduler
 from ucm_patch.hooks.ratelimit import RateLimitedLog
-from ucm_patch.hooks.stores.base import KVStore, StoreError
+from ucm_patch.hooks.stores.base import KVStore
 
 # Under vLLM's logger: its handler, level and format (``INFO mm-dd hh:mm:ss [file:line]``).
 logger = logging.getLogger(f"vllm.{__name__}")
 
-# (request id, key, destination block ids) of one page to load
-_LoadJob = tuple[str, str, tuple[int, ...]]
 # (keys, payload callable for the dump thread) of one row's dump this step
 _RowPlan = tuple[list[str], Callable[[Any], list[memoryview]]]
 
@@ -134,8 +134,12 @@ class WorkerSide:
         can_load: bool,
         can_dump: bool,
         scheduler: DumpScheduler | None = None,
+        reserve_tokens: int = 0,
     ) -> None:
         self.layout = layout
+        #: a device's load buffers are made for a hit of this many tokens when the caches
+        #: are registered (vLLM's max_model_len; 0: on first use)
+        self.reserve_tokens = reserve_tokens
         self.config = config
         self.store = store
         self.kv_cache_config = kv_cache_config
@@ -171,7 +175,7 @@ class WorkerSide:
         self._row_done = bytearray(n)
         self._open_steps: list[tuple[int, Batch]] = []
         # -- per step: layerwise loads
-        self._row_jobs: list[list[_LoadJob]] = [[] for _ in range(n)]
+        self._row_jobs: list[list[LoadJob]] = [[] for _ in range(n)]
         self._load_blocks: dict[str, list[int]] = {}
         self._loader = RowLoader(
             layout.rows, self._submit_row_load, self._wait_row_load, depth=config.load_prefetch_rows
@@ -185,6 +189,9 @@ class WorkerSide:
         self._exception_log = RateLimitedLog(logger, interval_s=math.inf)
         # Missing values and store errors repeat per page and step: a line per cause a minute.
         self._warning_log = RateLimitedLog(logger, interval_s=60.0)
+        #: the load path (load threads), over ``views``
+        self.loads = RowLoads(store, self.views, self.staging, self.load_exception,
+                              self._warning_log)  # fmt: skip
         # -- async loads
         self._async_loads: list[RequestLoad] = []
         self._async: dict[str, tuple[Future[set[str]], list[int]]] = {}
@@ -226,6 +233,21 @@ class WorkerSide:
             logger.debug("ucm connector: row %d (%s): %s", row.index, layer, view.layout)
             if view.view.device != self.staging.device:
                 self.staging = self._staging_for(view.view.device)
+        self.loads.staging = self.staging
+        self.loads.plan_rows()
+        if self.can_load and self.staging.pinned and self.reserve_tokens:
+            self.staging.reserve(self._row_bytes(self.reserve_tokens), self.config.load_workers)
+
+    def _row_bytes(self, tokens: int) -> int:
+        """The most bytes one row loads for a hit of ``tokens`` tokens."""
+        most = 0
+        for group in self.layout.groups:
+            pages = -(-tokens // group.block_size) if group in self.layout.attention_groups else 1
+            for r in self.layout.rows_of_group[group.index]:
+                view = self.views[r]
+                if view is not None:
+                    most = max(most, pages * view.page_bytes)
+        return most
 
     def _staging_for(self, device: torch.device) -> StagingBuffers:
         """Host buffers for ``device``, offered to the store for zero-copy puts."""
@@ -466,7 +488,7 @@ class WorkerSide:
         jobs = self._row_jobs[row]
         if not jobs:
             return None
-        return self._pool.submit(self._load_row, row, list(jobs))
+        return self._pool.submit(self.loads.load_row, row, list(jobs))
 
     def _wait_row_load(self, row: int, handle: Future[set[str]] | None) -> None:
         if handle is None:
@@ -489,107 +511,17 @@ class WorkerSide:
             stats.bump("load_failed_requests")
         self._load_errors.update(blocks)
 
-    def _load_row(self, row: int, jobs: list[_LoadJob]) -> set[str]:
-        """Read one row's pages and write them into their blocks (load thread).
-
-        Returns the ids of requests with at least one page that could not be loaded.
-        """
-        try:
-            return self._copy_row(row, jobs)
-        except StoreError as exc:
-            why = "ucm connector: load of row %d failed in the store: %s"
-            self._warning_log.warning(("store", type(exc)), why, row, exc)
-        except Exception as exc:  # a load thread must fail the load, not die
-            self.load_exception("row load", exc)
-        stats.bump("load_errors", len(jobs))
-        return {rid for rid, _key, _dsts in jobs}
-
-    def _copy_row(self, row: int, jobs: list[_LoadJob]) -> set[str]:
-        view = self.views[row]
-        if view is None:
-            raise RuntimeError("ucm connector: load before register_kv_caches")
-        page = view.page_bytes
-        staging = self.staging
-        n = sum(max(1, len(dsts)) for _rid, _key, dsts in jobs)  # pages of the values
-        buf = staging.take(n * page)
-        try:
-            return self._copy_into(row, view, jobs, buf[: n * page].view(n, page))
-        finally:
-            staging.give(buf)
-
-    def _copy_into(
-        self, row: int, view: PageView, jobs: list[_LoadJob], host: torch.Tensor
-    ) -> set[str]:
-        # The store reads each value (a chunk of pages) straight into its rows of a reused
-        # host buffer (pinned on an accelerator; the local store: one copy from its
-        # segment), then one index_copy_ writes the pages into their blocks: on CPU,
-        # straight from that buffer.
-        failed: set[str] = set()
-        page = view.page_bytes
-        flat = memoryview(host.numpy()).cast("B")
-        firsts: list[int] = []  # each job's first page in ``host``
-        outs: list[memoryview] = []
-        at = 0
-        for _rid, _key, dsts in jobs:
-            k = max(1, len(dsts))
-            firsts.append(at)
-            outs.append(flat[at * page : (at + k) * page])
-            at += k
-        started = monotonic()
-        ok = self.store.get_many_into([key for _rid, key, _dsts in jobs], outs)
-        read = monotonic()
-        stats.bump("load_read_s", read - started)
-        src: list[int] = []
-        dst: list[int] = []
-        for (rid, key, dsts), good, first in zip(jobs, ok, firsts, strict=True):
-            if not good or not any(d != NULL_BLOCK for d in dsts):
-                stats.bump("load_errors")
-                why = "missing, corrupt or not its size" if not good else "no destination block"
-                self._warning_log.warning(
-                    ("value", why[:7]), "ucm connector: cannot load %s for %s: %s", key, rid, why
-                )
-                failed.add(rid)
-                continue
-            bad = view.out_of_range(dsts)
-            if bad:  # checked on the host: never launch an out-of-range copy
-                stats.bump("load_errors")
-                self._warning_log.error(
-                    ("load range", row),
-                    "ucm connector: load of %s for %s names block ids %s outside the %d "
-                    "blocks of row %d; the request recomputes",
-                    key,
-                    rid,
-                    bad[:8],
-                    view.num_blocks,
-                    row,
-                )
-                failed.add(rid)
-                continue
-            for j, d in enumerate(dsts):
-                if d != NULL_BLOCK:  # a block of vLLM's own hit is not written
-                    src.append(first + j)
-                    dst.append(d)
-        if dst:
-            if src != list(range(len(host))):  # failed jobs, or pages vLLM already holds
-                host = host.index_select(0, torch.tensor(src, dtype=torch.long))
-            with self.staging.on_stream():
-                idx = torch.tensor(dst, dtype=torch.long, device=view.view.device)
-                view.scatter(idx, host.to(view.view.device, non_blocking=True))
-            stats.bump("loaded_pages", len(dst))
-            stats.bump("load_copy_s", monotonic() - read)
-        return failed
-
     def _load_request(self, load: RequestLoad) -> set[str]:
         """One async request: every row of every entry (load thread)."""
         layout = self.layout
-        per_row: dict[int, list[_LoadJob]] = {}
+        per_row: dict[int, list[LoadJob]] = {}
         for group, dsts, block_hash in load.entries:
             for r in layout.rows_of_group[group]:
                 key = layout.key(block_hash, group, r, self.rank)
                 per_row.setdefault(r, []).append((load.req_id, key, dsts))
         failed: set[str] = set()
         for r, jobs in per_row.items():
-            failed |= self._load_row(r, jobs)
+            failed |= self.loads.load_row(r, jobs)
             if failed:
                 break  # the request recomputes anyway
         return failed
