@@ -10,19 +10,21 @@ that, with nothing of vLLM:
   0.94 GB the H100 run loaded; 36 rows of 25 chunks, as Qwen3-8B's 36 layers at an 80 %
   hit of 8K tokens) into a store built as the connector builds it (two tiers), and keeps
   its memory tier;
-* a fresh reader process opens it and loads every row with ``get_many_into`` into a
-  reused host buffer (the connector's staging buffers, made before the first load as
-  the connector reserves them) on the connector's
-  default load threads (``--threads``): the first load (a new process: every segment
-  mapped for the first time), then ``--repeat`` steady ones;
+* a fresh reader process opens it and loads every row as the connector loads a step
+  into a KV cache in host memory (``row_loads.StepLoad``): the rows dealt to the
+  connector's default load threads (``--threads``), each thread's rows in one
+  ``get_many_scattered`` call straight into their pages of a cache made before the first
+  load (as vLLM's is at start), a mark per row: the first load (a new process: every
+  segment mapped for the first time), then ``--repeat`` steady ones;
 * the same loads beside a thread running Python in a loop (vLLM's forward), at the
   default switch interval;
 * the floor: a memcpy of the same bytes and an XXH3 of them, side by side on two threads
   (the work a load must do), in the same process.
 
-The same for dumps: a fresh process puts every row (one ``put_many`` of a row's values, as
-the dump scheduler submits it, from buffers in memory) on the connector's default dump
-threads into a store with room, fresh keys each pass.
+The same for dumps: a fresh process puts rows (one ``put_many`` of a row's values, as the
+dump scheduler submits it, from buffers in memory) on the connector's default dump threads
+into a store with room, fresh keys each pass (a third of ``--values`` per pass, so that
+one memory tier holds them all).
 
 Reported: GB/s alone and beside the Python thread, host CPU-seconds per GB loaded (the
 load threads' own, from ``getrusage`` per thread), wall alone against the floor, GIL
@@ -48,7 +50,9 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -89,17 +93,27 @@ def write(path: Path, values: int, value_bytes: int) -> None:
 
 
 class _Spinner:
-    """A thread running Python in a loop (vLLM's forward holds the GIL so)."""
+    """A thread running Python in a loop (vLLM's forward holds the GIL so), which also
+    runs what the forward runs at a step's start (:meth:`call`: ``start_load_kv``)."""
 
     def __init__(self) -> None:
         self._stop = threading.Event()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._spin, daemon=True)
 
     def _spin(self) -> None:
         n = 0
-        stop = self._stop
+        stop, calls = self._stop, self._calls
         while not stop.is_set():
             n += 1
+            if n % 1000 == 0 and not calls.empty():
+                fn, done = calls.get()
+                done.set_result(fn())
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        done: Future[Any] = Future()
+        self._calls.put((fn, done))
+        return done.result()
 
     def __enter__(self) -> _Spinner:
         self._thread.start()
@@ -110,31 +124,59 @@ class _Spinner:
         self._thread.join()
 
 
-def _buffers(threads: int, nbytes: int) -> queue.SimpleQueue[memoryview]:
-    """One row's buffer per load thread, made and touched before any load: the connector
-    reserves its load buffers when the KV caches are registered (``StagingBuffers.reserve``),
-    so a new process's first hit allocates nothing."""
-    free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
-    for _ in range(threads):
-        buf = memoryview(bytearray(nbytes))
-        buf[:] = bytes(nbytes)
-        free.put(buf)
-    return free
+#: The pages of a value in the stand-in KV cache: a layer's 16-token block of Qwen3-8B's
+#: shape (8 KV heads of 128 dims, bf16, K and V) is 64 KiB, a 1 MiB value 16 of them.
+PAGE_BYTES = 64 << 10
 
 
-def _load_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]], value_bytes: int,
-              free: queue.SimpleQueue[memoryview]) -> dict[str, float]:  # fmt: skip
-    """Every row on the load threads, each into a reused buffer: wall seconds, and the
-    load threads' CPU seconds and voluntary context switches."""
+class _Cache:
+    """A KV cache in host memory for every value (made and touched before any load, as
+    vLLM's is when it starts), and each value's target in it: its pages one span each
+    (a block-major page: one run)."""
+
+    def __init__(self, values: int, value_bytes: int) -> None:
+        from ucm_patch.hooks.stores.memcopy import address
+        from ucm_patch.hooks.stores.scatter import PagePlan, Scatter
+
+        self.memory = memoryview(bytearray(values * value_bytes))
+        self.memory[:] = bytes(len(self.memory))
+        base = address(self.memory) or 0
+        page = min(PAGE_BYTES, value_bytes)
+        plan = PagePlan(page, ((0, 0, page),))
+        per = value_bytes // page
+        self.targets = [
+            Scatter(plan, tuple(base + (i * per + j) * page for j in range(per)))
+            for i in range(values)
+        ]
+
+
+def _load_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]], cache: _Cache,
+              threads: int, forward: _Spinner | None = None) -> dict[str, float]:  # fmt: skip
+    """A step's rows as the connector loads them into a cache in host memory
+    (``row_loads.StepLoad``): the values looked up on the forward's thread
+    (``start_load_kv``: ``forward`` when one runs), dealt to the load threads in forward
+    order, each thread's rows in one ``get_many_scattered`` call with a mark per row.
+    Wall seconds, and the load threads' CPU seconds and voluntary context switches."""
+    import ctypes
+
     usage: list[tuple[float, int]] = []
     lock = threading.Lock()
+    flags = (ctypes.c_uint8 * len(rows))()
+    index = {k: i for i, k in enumerate(_keys(sum(len(r) for r in rows)))}
 
-    def load_row(keys: list[str]) -> bool:
-        buf = free.get()
+    dealt = [list(range(k, len(rows), threads)) for k in range(threads)]
+    every = [k for mine in dealt for r in mine for k in rows[r]]
+
+    def load_rows(work: tuple[list[int], Any]) -> bool:
+        mine, located = work
         before = resource.getrusage(resource.RUSAGE_THREAD)
-        views = [buf[i * value_bytes : (i + 1) * value_bytes] for i in range(len(keys))]
-        ok = all(store.get_many_into(keys, views))
-        free.put(buf)
+        keys = [k for r in mine for k in rows[r]]
+        marks, end = [], 0
+        for r in mine:
+            end += len(rows[r])
+            marks.append((end, r))
+        to = [cache.targets[index[k]] for k in keys]
+        ok = all(store.get_many_scattered(keys, to, marks, flags, located))
         after = resource.getrusage(resource.RUSAGE_THREAD)
         with lock:
             usage.append((
@@ -144,9 +186,16 @@ def _load_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]], value
         return ok
 
     t0 = time.perf_counter()
-    ok = all(pool.map(load_row, rows))
+    lookup = partial(store.lookup_for_load, every)
+    located = forward.call(lookup) if forward is not None else lookup()
+    work, at = [], 0
+    for mine in dealt:
+        n = sum(len(rows[r]) for r in mine)
+        work.append((mine, located[at : at + n]))
+        at += n
+    ok = all(pool.map(load_rows, work))
     wall = time.perf_counter() - t0
-    if not ok:
+    if not ok or not all(flags):
         raise SystemExit("bench_load_proxy: a value was missing or corrupt")
     return {"wall_s": wall, "cpu_s": sum(u[0] for u in usage), "waits": sum(u[1] for u in usage)}
 
@@ -191,13 +240,13 @@ def read(
     out: dict[str, Any] = {"values": values, "value_bytes": value_bytes, "threads": threads,
                            "switch_interval_s": sys.getswitchinterval(),
                            "row_helper": rowcopy.available()}  # fmt: skip
-    free = _buffers(threads, ROW_VALUES * value_bytes)
+    cache = _Cache(values, value_bytes)
     with ThreadPoolExecutor(threads, thread_name_prefix="ucm-load") as pool:
-        out["first"] = _load_all(store, pool, rows, value_bytes, free)
-        out["alone"] = [_load_all(store, pool, rows, value_bytes, free) for _ in range(repeat)]
-        with _Spinner():
+        out["first"] = _load_all(store, pool, rows, cache, threads)
+        out["alone"] = [_load_all(store, pool, rows, cache, threads) for _ in range(repeat)]
+        with _Spinner() as forward:
             out["beside_python"] = [
-                _load_all(store, pool, rows, value_bytes, free) for _ in range(2)
+                _load_all(store, pool, rows, cache, threads, forward) for _ in range(2)
             ]
     out["floor_s"] = _floor(nbytes)
     store.close()
@@ -233,10 +282,12 @@ def _dump_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]],
 
 
 def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -> dict[str, Any]:
-    """The dump process: a fresh process puts every row into a store with room (the first
-    dump, then ``repeat`` steady ones, then two beside a Python thread), the store emptied
-    between passes (its segments keep their pages, as a store in use does)."""
-    store = _store(path, values * value_bytes, value_bytes)
+    """The dump process: a fresh process puts ``values`` values in rows into a store with
+    room for every pass (the first dump, ``repeat`` steady ones, two beside a Python
+    thread), fresh keys each pass (a store in use takes new values into segments it
+    already has)."""
+    passes = 1 + repeat + 2
+    store = _store(path, passes * values * value_bytes, value_bytes)
     warmer = getattr(store.memory, "_warmer", None)
     if warmer is not None:
         warmer.join()  # the connector's store opens at start, long before the first dump
@@ -245,17 +296,12 @@ def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -
     data = [memoryview(bytearray(os.urandom(value_bytes))) for _ in range(8)]  # staging
     out: dict[str, Any] = {"values": values, "value_bytes": value_bytes, "threads": threads,
                            "switch_interval_s": sys.getswitchinterval()}  # fmt: skip
-    passes = iter(range(1 << 20))
-
-    def one() -> dict[str, float]:
-        store.clear()
-        return _dump_all(store, pool, rows, data, f"pass{next(passes)}")
-
     with ThreadPoolExecutor(threads, thread_name_prefix="ucm-dump") as pool:
         out["first"] = _dump_all(store, pool, rows, data, "first")
-        out["alone"] = [one() for _ in range(repeat)]
+        out["alone"] = [_dump_all(store, pool, rows, data, f"alone{i}") for i in range(repeat)]
         with _Spinner():
-            out["beside_python"] = [one() for _ in range(2)]
+            out["beside_python"] = [_dump_all(store, pool, rows, data, f"beside{i}")
+                                    for i in range(2)]  # fmt: skip
     out["floor_s"] = _floor(values * value_bytes)
     store.close()
     return out
@@ -315,8 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, extra in (("per_value", ["--per-value"]), ("row", [])):
             res = subprocess.run([*reader, *extra], check=True, capture_output=True, text=True)
             runs[name] = json.loads(res.stdout.strip().splitlines()[-1])
-        dumper = [sys.executable, __file__, *common, f"--path={base / 'dumps'}", "--role=dump",
-                  f"--threads={dump_threads}", f"--repeat={args.repeat}"]  # fmt: skip
+        # a third of the values per pass: one store holds every pass in its memory tier
+        dumper = [sys.executable, __file__, f"--values={max(ROW_VALUES, args.values // 3)}",
+                  f"--value-bytes={args.value_bytes}", f"--path={base / 'dumps'}",
+                  "--role=dump", f"--threads={dump_threads}",
+                  f"--repeat={args.repeat}"]  # fmt: skip
         res = subprocess.run(dumper, check=True, capture_output=True, text=True)
         runs["dumps"] = json.loads(res.stdout.strip().splitlines()[-1])
     finally:

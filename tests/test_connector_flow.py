@@ -430,3 +430,43 @@ def test_a_value_damaged_after_the_lookup_fails_the_load_before_the_step_ends(
         assert {r for s in h.failed_recv for r in s} == {"b"}
     assert connector.stats()["load_errors"] - before >= 1
     assert store.stats["corrupt"] == 1
+
+
+def test_a_layerwise_step_is_one_store_call_per_load_thread_with_a_mark_per_row(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache in host memory: the step's values looked up once on the forward's thread,
+    its rows sent to the store in one call per load thread (the GIL taken once per step,
+    not per row), each row marked done as it is written, the forward waiting for its row's
+    mark alone; the pages are the stored ones."""
+    calls: list[list[tuple[int, int]]] = []
+    looked_up_on: list[str] = []
+    real, real_lookup = store.get_many_scattered, store.lookup_for_load
+
+    def counted(keys, targets, marks=(), flags=None, located=None):  # type: ignore[no-untyped-def]
+        assert located is None or len(located) == len(keys)  # None: no memory tier here
+        calls.append(list(marks))
+        return real(keys, targets, marks, flags, located)
+
+    def lookup(keys):  # type: ignore[no-untyped-def]
+        looked_up_on.append(threading.current_thread().name)
+        return real_lookup(keys)
+
+    h = Harness(UCMPatchConnector, {"load_workers": 1})
+    _a, _md, pages = prefill(h, "a", [1, 2, 3, 4])
+    monkeypatch.setattr(store, "get_many_scattered", counted)
+    monkeypatch.setattr(store, "lookup_for_load", lookup)
+    b = Req("b", [*TOKENS[:12], 7, 8, 9])
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (12, False)
+    h.sched.update_state_after_alloc(b, blocks([9, 10, 11, 12]), 12)
+    h.step(so([new_req("b", [[9, 10, 11, 12]], 12)], scheduled={"b": 3}))
+    rows = len(h.worker.layout.rows)
+    assert len(calls) == 1 and [flag for _end, flag in calls[0]] == list(range(rows))
+    assert [end for end, _flag in calls[0]] == [3 * (r + 1) for r in range(rows)]
+    for layer in range(len(LAYERS)):
+        for src, dst in zip([1, 2, 3], [9, 10, 11], strict=True):
+            assert h.page(layer, dst) == pages[(layer, src)]
+    assert connector.stats()["rows_waited_in_layer"] == len(LAYERS)
+    assert h.worker.get_block_ids_with_load_errors() == set()
+    # the index read once per step, on the forward's thread (start_load_kv)
+    assert looked_up_on == [threading.current_thread().name]

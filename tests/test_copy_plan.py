@@ -186,8 +186,8 @@ def test_the_helper_does_a_row_in_one_call(tmp_path: Path, monkeypatch) -> None:
     assert rowcopy.available(), "the helper did not build here (cc and xxhash are present)"
     calls: list[int] = []
     real = rowcopy._scatter
-    monkeypatch.setattr(rowcopy, "_scatter", lambda h, items: calls.append(len(items))
-                        or real(h, items))  # fmt: skip
+    monkeypatch.setattr(rowcopy, "_scatter", lambda h, items, *a: calls.append(len(items))
+                        or real(h, items, *a))  # fmt: skip
     _kv, view = _attention(LAYOUTS[1])
     values = _values(view, CHUNKS, 4)
     s = _store(tmp_path)
@@ -225,3 +225,25 @@ def test_the_fallback_executor_writes_runs() -> None:
     assert bytes(out) == b"EFGHABCDefghabcd"
     with pytest.raises(ValueError, match="value has 3 bytes, target 16"):
         scatter_from(memoryview(b"abc"), Scatter(plan, (at + 8, at)))
+
+
+@pytest.mark.parametrize("memory", [True, False], ids=["memory-tier", "disk-tier"])
+def test_marks_are_all_set_and_each_row_is_written(tmp_path: Path, memory: bool) -> None:
+    """Rows marked as they are written (``marks``): each row's values are in place, a
+    value missing from the store answers False, and every flag is set by the return."""
+    import ctypes
+
+    _kv, view = _attention(LAYOUTS[0])
+    chunks = [[3, 0], [6], [5, 1], [2]]
+    values = _values(view, chunks, 13)
+    want = _oracle(view, chunks[:3], values[:3])
+    s = _store(tmp_path, memory)
+    keys = [f"v/{i}" for i in range(4)]
+    assert all(s.put_many(list(zip(keys[:3], values[:3], strict=True))))  # v/3: missing
+    flags = (ctypes.c_uint8 * 3)()
+    to = targets(view, page_plan(view), chunks)
+    ok = s.get_many_scattered(keys, to, [(2, 0), (3, 1), (4, 2)], flags)
+    assert ok == [True, True, True, False] and list(flags) == [1, 1, 1]
+    written = [b for c in chunks[:3] for b in c]
+    assert torch.equal(view.view[written], want[written])
+    s.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 from ucm_patch.hooks.settings import SettingError
 from ucm_patch.hooks.stores.scatter import Scatter, scatter_from
@@ -100,23 +101,44 @@ class KVStore(ABC):
             out.append(True)
         return out
 
-    def get_many_scattered(self, keys: Sequence[str], targets: Sequence[Scatter]) -> list[bool]:
+    def lookup_for_load(self, keys: Sequence[str]) -> Any:
+        """Where the keys' values are, for a :meth:`get_many_scattered` soon after (its
+        ``located``), so that the caller can look them up on a thread of its choosing;
+        None (the default): the store looks them up in that call."""
+        return None
+
+    def get_many_scattered(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[Scatter],
+        marks: Sequence[tuple[int, int]] = (),
+        flags: Any = None,
+        located: Any = None,
+    ) -> list[bool]:
         """Write each key's value where the target of the same index says (its pages into
         another memory, a KV cache: :mod:`~ucm_patch.hooks.stores.scatter`); True per value
         written and verified, False when it is missing, corrupt or not the target's size
         (its pages may have been written then: they hold nothing usable). The caller
         checked every page address. Stores that read in place override this (the local
         store: straight from its segments); this default reads each value, then writes its
-        runs."""
+        runs.
+
+        ``marks`` (end index in ``keys``, flag index) into ``flags``, a ctypes ``uint8``
+        array: each flag set once the values before its end are written (rows a reader
+        waits for one by one); this default sets them all at the end."""
         if len(keys) != len(targets):
             raise ValueError(f"get_many_scattered: {len(keys)} keys for {len(targets)} targets")
         out: list[bool] = []
-        for value, target in zip(self.get_many(keys), targets, strict=True):
-            if value is None or len(value) != target.nbytes:
-                out.append(False)
-                continue
-            scatter_from(memoryview(value), target)
-            out.append(True)
+        try:
+            for value, target in zip(self.get_many(keys), targets, strict=True):
+                if value is None or len(value) != target.nbytes:
+                    out.append(False)
+                    continue
+                scatter_from(memoryview(value), target)
+                out.append(True)
+        finally:
+            for _end, flag in marks:
+                flags[flag] = 1
         return out
 
     def max_value_bytes(self) -> int | None:

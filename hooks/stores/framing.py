@@ -59,6 +59,7 @@ import stat
 import struct
 import zlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ucm_patch import environment
 from ucm_patch.hooks.stores import rowcopy
@@ -324,40 +325,44 @@ def copy_verified_many(
 def scatter_verified_many(
     entries: Sequence[tuple[bytes, bytes | memoryview, memoryview, Scatter]],
     secret: bytes | None = None,
+    marks: rowcopy.Marks = (),
+    flags: Any = None,
 ) -> list[CorruptValue | None]:
     """For each (key, header, src, target): ``src``'s pages written where ``target`` says
     (:mod:`.scatter`) and ``src`` verified against ``header``: None per value written and
     verified, its :class:`CorruptValue` otherwise (its pages may have been written: they
-    hold nothing usable). The values this version writes unkeyed, in one call for all of
-    them (:func:`.rowcopy.scatter_verify_many`: hashed from ``src`` page by page beside
-    the copies); the others, or all of them where that helper is unavailable, verified
-    first, then written run by run (:func:`.scatter.scatter_from`)."""
+    hold nothing usable). The values this version writes unkeyed, all in one call
+    (:func:`.rowcopy.scatter_verify_many`: hashed from ``src`` page by page beside the
+    copies); otherwise, or where that helper is unavailable, each verified first, then
+    written run by run (:func:`.scatter.scatter_from`). ``marks`` into ``flags``: set as
+    the values before each mark's end are done (:data:`.rowcopy.Marks`), all by the end."""
     out: list[CorruptValue | None] = [None] * len(entries)
     batch: list[rowcopy.ScatterItem] = []
-    where: list[int] = []
     if secret is None and _xxh3_64_int is not None:
-        for i, (key, header, src, target) in enumerate(entries):
+        for key, header, src, target in entries:
             n = len(src)
-            if n == target.nbytes and header[:_PREFIX] == (_prefixes.get(n) or _unkeyed_prefix(n)):
-                seed = bytes(header[:_PREFIX]) + key
-                batch.append((src, seed, _U32.unpack_from(header, _PREFIX)[0], target))
-                where.append(i)
-    checked = rowcopy.scatter_verify_many(batch) if batch else None
-    if checked is None:
-        where = []
-    for i, ok in zip(where, checked or (), strict=True):
-        if not ok:  # the precise reason
-            key, header, src, _target = entries[i]
-            try:
-                verify(key, header, src, secret)
-            except CorruptValue as exc:
-                out[i] = exc
-            else:  # the bytes changed between the two checks: still not to be trusted
-                out[i] = CorruptValue("checksum mismatch while the value was copied")
-    done = set(where)
+            if n != target.nbytes or header[:_PREFIX] != (_prefixes.get(n) or _unkeyed_prefix(n)):
+                break  # not a frame of this version: every value its own way
+            seed = bytes(header[:_PREFIX]) + key
+            batch.append((src, seed, _U32.unpack_from(header, _PREFIX)[0], target))
+    whole = bool(batch) and len(batch) == len(entries)
+    checked = rowcopy.scatter_verify_many(batch, marks, flags) if whole else None
+    if checked is not None:
+        for i, ok in enumerate(checked):
+            if not ok:  # the precise reason
+                key, header, src, _target = entries[i]
+                try:
+                    verify(key, header, src, secret)
+                except CorruptValue as exc:
+                    out[i] = exc
+                else:  # the bytes changed between the two checks: still not to be trusted
+                    out[i] = CorruptValue("checksum mismatch while the value was copied")
+        return out
+    m = 0
     for i, (key, header, src, target) in enumerate(entries):
-        if i in done:
-            continue
+        while m < len(marks) and marks[m][0] <= i:
+            flags[marks[m][1]] = 1
+            m += 1
         try:
             verify(key, header, src, secret)
             scatter_from(src, target)
@@ -365,6 +370,8 @@ def scatter_verified_many(
             out[i] = exc
         except ValueError as exc:  # a value not the size of its pages
             out[i] = CorruptValue(str(exc))
+    for _end, flag in marks[m:]:
+        flags[flag] = 1
     return out
 
 

@@ -54,7 +54,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from xxhash import xxh3_128_digest
 
@@ -482,17 +482,77 @@ class LocalStore(KVStore):
         self._read(keys, views, out)
         return [v is not None for v in out]
 
-    def get_many_scattered(self, keys: Sequence[str], targets: Sequence[Scatter]) -> list[bool]:
+    def lookup_for_load(self, keys: Sequence[str]) -> list[Loc | None] | None:
+        """Where the keys' values are in the memory tier (None each: not there), for a
+        :meth:`get_many_scattered` soon after (its ``located``): one index transaction.
+        None without a memory tier."""
+        self._check_open()
+        if self.memory is None:
+            return None
+        return self.memory.lookup([digest_of(key_bytes(k)) for k in keys])
+
+    def get_many_scattered(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[Scatter],
+        marks: Sequence[tuple[int, int]] = (),
+        flags: Any = None,
+        located: Sequence[Any] | None = None,
+    ) -> list[bool]:
         """Write each value's pages where its target says, straight from the segment it
         is in (the memory tier: every value of a call in one native call, checksum fused,
         :func:`~.framing.scatter_verified_many`), then check the segment still holds it;
         False for a value missing, corrupt, not the target's size, or whose segment was
-        emptied meanwhile (its pages were written then, and hold nothing usable)."""
+        emptied meanwhile (its pages were written then, and hold nothing usable).
+
+        ``marks`` (end index in ``keys``, flag index) into ``flags``, a ctypes ``uint8``
+        array: each flag set once the values before its end are written (rows of a KV
+        cache, waited for one by one by the forward), all of them by the return. The
+        values not in the memory tier are done first (read from the disk tier), so that
+        a set flag means every value before its end is written; their checks after.
+        ``located``: the keys' :meth:`lookup_for_load`, made earlier (by the thread that
+        holds the GIL anyway: vLLM's forward, in ``start_load_kv``)."""
         self._check_open()
         if len(keys) != len(targets):
             raise ValueError(f"get_many_scattered: {len(keys)} keys for {len(targets)} targets")
         out: list[bytes | None] = [None] * len(keys)
-        self._read(keys, None, out, targets)
+        memory = self.memory
+        if not marks or memory is None:
+            try:
+                self._read(keys, None, out, targets)
+            finally:
+                for _end, flag in marks:
+                    flags[flag] = 1
+            return [v is not None for v in out]
+        try:
+            locs = located if located is not None else self.lookup_for_load(keys)
+            if locs is None or len(locs) != len(keys):
+                raise ValueError(f"get_many_scattered: {len(keys)} keys, located {locs!r:.40}")
+        except BaseException:
+            for _end, flag in marks:
+                flags[flag] = 1
+            raise
+        rest = [i for i, loc in enumerate(locs) if loc is None]
+        first = [i for i, loc in enumerate(locs) if loc is not None]
+        try:
+            if rest:  # the disk tier's (or nowhere): before any row is marked done
+                sub: list[bytes | None] = [None] * len(rest)
+                self._read([keys[i] for i in rest], None, sub, [targets[i] for i in rest])
+                for i, v in zip(rest, sub, strict=True):
+                    out[i] = v
+            # marks counted in the memory tier's values: how many of them precede each end
+            before = [0] * (len(keys) + 1)
+            for i, loc in enumerate(locs):
+                before[i + 1] = before[i] + (loc is not None)
+            sub = [None] * len(first)
+            self._read([keys[i] for i in first], None, sub, [targets[i] for i in first],
+                       [(before[end], flag) for end, flag in marks], flags,
+                       [locs[i] for i in first])  # fmt: skip
+            for i, v in zip(first, sub, strict=True):
+                out[i] = v
+        finally:
+            for _end, flag in marks:
+                flags[flag] = 1
         return [v is not None for v in out]
 
     def _read(
@@ -501,6 +561,9 @@ class LocalStore(KVStore):
         into: list[memoryview] | None,
         out: list[bytes | None],
         targets: Sequence[Scatter] | None = None,
+        marks: Sequence[tuple[int, int]] = (),
+        flags: Any = None,
+        located: Sequence[Loc | None] | None = None,
     ) -> None:
         kbs = [key_bytes(k) for k in keys]
         todo = list(range(len(keys)))
@@ -510,7 +573,11 @@ class LocalStore(KVStore):
             for tier in self.tiers:
                 if not todo:
                     break
-                locs = tier.lookup([digests[i] for i in todo])
+                if located is not None and tier is self.memory:  # looked up by the caller
+                    tier.files.new_batch()
+                    locs = [located[i] for i in todo]
+                else:
+                    locs = tier.lookup([digests[i] for i in todo])
                 got: list[tuple[int, Loc, bytes]] = []
                 found = [(i, loc) for i, loc in zip(todo, locs, strict=True) if loc is not None]
                 if into is not None:  # into buffers: every value of the tier in one call
@@ -527,7 +594,9 @@ class LocalStore(KVStore):
                     fits = [(i, loc) for i, loc in found
                             if loc.size - HEADER_SIZE == targets[i].nbytes]  # fmt: skip
                     scattered = [(loc, kbs[i], targets[i]) for i, loc in fits]
-                    results = tier.read_scattered_many(scattered)
+                    # the marks go with the first tier's call (get_many_scattered)
+                    ends = [(sum(1 for i, _l in fits if i < end), flag) for end, flag in marks]
+                    results = tier.read_scattered_many(scattered, ends, flags)
                     for (i, loc), why in zip(fits, results, strict=True):
                         if why is None:
                             got.append((i, loc, b""))
@@ -553,6 +622,8 @@ class LocalStore(KVStore):
                 for seg in used:
                     tier.touch(seg)
                 todo = [i for i in todo if out[i] is None]
+                if marks:  # rows marked done: a value not written by now is a miss, never
+                    break  # written later behind a reader that already took the row
         except (OSError, SegmentLost) as exc:
             self._bump(errors=1)
             raise StoreError(f"local store {self.path!r}: cannot read: {exc}") from exc

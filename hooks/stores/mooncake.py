@@ -512,7 +512,14 @@ class MooncakeStore(KVStore):
         self._read_many(keys, take)
         return out
 
-    def get_many_scattered(self, keys: Sequence[str], targets: Sequence[Scatter]) -> list[bool]:
+    def get_many_scattered(
+        self,
+        keys: Sequence[str],
+        targets: Sequence[Scatter],
+        marks: Sequence[tuple[int, int]] = (),
+        flags: Any = None,
+        located: Any = None,
+    ) -> list[bool]:
         """Each value's pages written where its target says, from the registered staging
         buffer its frame was checked in (one copy per byte, no ``bytes`` per value)."""
         if len(keys) != len(targets):
@@ -526,7 +533,11 @@ class MooncakeStore(KVStore):
             out[i] = True
             return len(payload)
 
-        self._read_many(keys, take)
+        try:
+            self._read_many(keys, take)
+        finally:
+            for _end, flag in marks:  # set at the end (no row is done before)
+                flags[flag] = 1
         return out
 
     def _read_many(self, keys: Sequence[str], take: _Take) -> None:

@@ -12,6 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef void *(*xxh3_create_fn)(void);
 typedef int (*xxh3_free_fn)(void *);
@@ -62,25 +63,74 @@ int ucm_rowcopy(size_t n, char *const *dst, const char *const *src, const size_t
     return 0;
 }
 
-/* A row of values scattered into pages elsewhere (a KV cache's blocks) and verified, in one
- * call: for each value i < n, its len[i] bytes at src[i] are pages of page bytes each.
- * Page j of value i goes to the page whose start is dst_page[first[i] + j] (0: not
- * written, a page the destination already holds), as nruns runs: run_len[r] bytes from
- * page + run_src[r] to the page's start + run_dst[r]. Each page is hashed from the source
- * right before its runs are copied, while it is in the cache; the runs of a value whose
- * checksum (as in ucm_rowcopy) turns out wrong have been written all the same: ok[i] = 0
- * tells the caller those pages hold nothing usable. The caller checked every address
- * (the destination pages against the cache's blocks, the runs against a page). Returns 0,
- * or -1 when no hash state could be made (nothing copied). */
-int ucm_rowscatter(size_t n, const char *const *src, const size_t *len, const uint64_t *seed,
-                   const char *const *seed_src, const size_t *seed_len, const uint32_t *want,
-                   size_t page, const size_t *first, char *const *dst_page, size_t nruns,
-                   const size_t *run_src, const size_t *run_dst, const size_t *run_len,
-                   const struct xxh3_api *api, uint8_t *ok)
+/* A run into a KV cache: written around the caches (non-temporal stores) when it is long.
+ * Why: a cache's pages are written once here and read later by the forward, not now, so
+ * pulling each destination line into the cache first (what a plain store does) reads as
+ * many bytes from memory as are written; a large memcpy streams, a 64 KiB one does not.
+ * The caller fences (store_fence) before telling a reader the bytes are there. */
+#define STREAM_MIN ((size_t)4096)
+#if defined(__SSE2__)
+#include <emmintrin.h>
+static void copy_run(char *to, const char *from, size_t n)
+{
+    if (n < STREAM_MIN) {
+        memcpy(to, from, n);
+        return;
+    }
+    size_t head = (16 - ((uintptr_t)to & 15)) & 15;
+    memcpy(to, from, head);
+    to += head;
+    from += head;
+    n -= head;
+    for (; n >= 64; n -= 64, to += 64, from += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)from);
+        __m128i b = _mm_loadu_si128((const __m128i *)(from + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(from + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(from + 48));
+        _mm_stream_si128((__m128i *)to, a);
+        _mm_stream_si128((__m128i *)(to + 16), b);
+        _mm_stream_si128((__m128i *)(to + 32), c);
+        _mm_stream_si128((__m128i *)(to + 48), d);
+    }
+    memcpy(to, from, n);
+}
+static void store_fence(void) { _mm_sfence(); }
+#else
+static void copy_run(char *to, const char *from, size_t n) { memcpy(to, from, n); }
+static void store_fence(void) {}
+#endif
+
+/* Values scattered into pages elsewhere (a KV cache's blocks) and verified, in one call.
+ * For each value i < n, its len[i] bytes at src[i] are pages of its plan p = plan_of[i]:
+ * page_bytes[p] each, copied as run_count[p] runs from run_first[p] on (run_len[r] bytes
+ * from page + run_src[r] to the page's start + run_dst[r]). Page j of value i starts at
+ * dst_page[first[i] + j] (NULL: not written, a page the destination already holds). Each
+ * page is hashed from the source right before its runs are copied, while it is in the
+ * cache; the runs of a value whose checksum (as in ucm_rowcopy) turns out wrong have been
+ * written all the same: ok[i] = 0 tells the caller those pages hold nothing usable.
+ *
+ * Marks (rows of a KV cache, done one by one while the forward waits for each): mark m is
+ * set, flags[mark_flag[m]] = 1 with release order, as soon as the values before
+ * mark_end[m] are done (marks in order of mark_end); every mark is set before returning.
+ * A reader that sees its flag set sees those values' bytes.
+ *
+ * The caller checked every address (the destination pages against the cache's blocks,
+ * the runs against a page). Returns 0, or -1 when no hash state could be made (nothing
+ * copied, no mark set). */
+int ucm_scatter(size_t n, const char *const *src, const size_t *len, const uint64_t *seed,
+                const char *const *seed_src, const size_t *seed_len, const uint32_t *want,
+                const size_t *plan_of, const size_t *page_bytes, const size_t *run_first,
+                const size_t *run_count, const size_t *run_src, const size_t *run_dst,
+                const size_t *run_len, const size_t *first, char *const *dst_page,
+                size_t nmarks, const size_t *mark_end, const size_t *mark_flag, uint8_t *flags,
+                const struct xxh3_api *api, uint8_t *ok)
 {
     void *state = api->create();
     if (state == NULL)
         return -1;
+    size_t m = 0;
+    while (m < nmarks && mark_end[m] == 0)
+        __atomic_store_n(&flags[mark_flag[m++]], 1, __ATOMIC_RELEASE);
     for (size_t i = 0; i < n; i++) {
         uint64_t s = seed[i];
         if (seed_src[i] != NULL) {
@@ -89,6 +139,8 @@ int ucm_rowscatter(size_t n, const char *const *src, const size_t *len, const ui
             s = api->digest(state);
         }
         api->reset(state, s);
+        size_t p = plan_of[i], page = page_bytes[p];
+        size_t r0 = run_first[p], r1 = r0 + run_count[p];
         size_t pages = page ? len[i] / page : 0;
         for (size_t j = 0; j < pages; j++) {
             const char *from = src[i] + j * page;
@@ -96,15 +148,45 @@ int ucm_rowscatter(size_t n, const char *const *src, const size_t *len, const ui
             char *to = dst_page[first[i] + j];
             if (to == NULL)
                 continue;
-            for (size_t r = 0; r < nruns; r++)
-                memcpy(to + run_dst[r], from + run_src[r], run_len[r]);
+            for (size_t r = r0; r < r1; r++)
+                copy_run(to + run_dst[r], from + run_src[r], run_len[r]);
         }
         if (pages * page < len[i]) /* a tail that is no page: hashed, never copied */
             api->update(state, src[i] + pages * page, len[i] - pages * page);
         ok[i] = (uint32_t)api->digest(state) == want[i];
+        if (m < nmarks && mark_end[m] <= i + 1)
+            store_fence(); /* the streamed bytes visible before the mark */
+        while (m < nmarks && mark_end[m] <= i + 1)
+            __atomic_store_n(&flags[mark_flag[m++]], 1, __ATOMIC_RELEASE);
     }
+    store_fence();
+    while (m < nmarks)
+        __atomic_store_n(&flags[mark_flag[m++]], 1, __ATOMIC_RELEASE);
     api->free_state(state);
     return 0;
+}
+
+/* Wait, without the caller's interpreter lock (ctypes gives it up for the call), until
+ * *flag is set or timeout_ns passed: 1 when set. Polls every 20 microseconds: a row of a
+ * KV cache takes milliseconds, a sleep in the kernel would wake later than that. */
+int ucm_wait_flag(const uint8_t *flag, int64_t timeout_ns)
+{
+    struct timespec nap = {0, 20000}, now, until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += timeout_ns / 1000000000;
+    until.tv_nsec += timeout_ns % 1000000000;
+    if (until.tv_nsec >= 1000000000) {
+        until.tv_sec += 1;
+        until.tv_nsec -= 1000000000;
+    }
+    for (;;) {
+        if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
+            return 1;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if (now.tv_sec > until.tv_sec || (now.tv_sec == until.tv_sec && now.tv_nsec >= until.tv_nsec))
+            return 0;
+        nanosleep(&nap, NULL);
+    }
 }
 
 /* A batch of values copied into a store and framed, in one call: for each i < n, len[i]

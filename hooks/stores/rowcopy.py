@@ -35,7 +35,7 @@ from typing import Any
 
 from ucm_patch import environment
 from ucm_patch.hooks.stores.memcopy import address, addresses, bytes_address
-from ucm_patch.hooks.stores.scatter import PagePlan, Scatter, run_arrays, same_plan
+from ucm_patch.hooks.stores.scatter import PagePlan, Scatter
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,12 @@ class _Api(ctypes.Structure):
 class _Helper:
     """The loaded helper: its entry points and the XXH3 functions it calls."""
 
-    def __init__(self, fn: Any, scatter: Any, frame: Any, api: _Api, keep: tuple[Any, ...]):
+    def __init__(self, fn: Any, scatter: Any, frame: Any, wait_flag: Any, api: _Api,
+                 keep: tuple[Any, ...]) -> None:  # fmt: skip
         self.fn = fn
         self.scatter = scatter
         self.frame = frame
+        self.wait_flag = wait_flag
         self.api = api
         self.keep = keep  # the libraries, loaded for as long as the helper is
 
@@ -122,16 +124,18 @@ def _load() -> _Helper:
     p = ctypes.c_void_p
     fn.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, p, p, p]
     fn.restype = ctypes.c_int
-    scatter = lib.ucm_rowscatter
-    scatter.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, ctypes.c_size_t, p, p,
-                        ctypes.c_size_t, p, p, p, p, p]  # fmt: skip
+    scatter = lib.ucm_scatter
+    scatter.argtypes = [ctypes.c_size_t, *[p] * 15, ctypes.c_size_t, p, p, p, p, p]
     scatter.restype = ctypes.c_int
+    wait = lib.ucm_wait_flag
+    wait.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    wait.restype = ctypes.c_int
     frame = lib.ucm_rowframe
     frame.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, p]
     frame.restype = ctypes.c_int
     xxh = _xxh3_library()
     api = _Api(*[ctypes.cast(getattr(xxh, name), p).value for name in XXH3_SYMBOLS])
-    helper = _Helper(fn, scatter, frame, api, (lib, xxh))
+    helper = _Helper(fn, scatter, frame, wait, api, (lib, xxh))
     _self_test(helper)
     return helper
 
@@ -156,9 +160,17 @@ def _self_test(helper: _Helper) -> None:
     out = memoryview(bytearray(64))
     target = Scatter(plan, (address(out) or 0, 0))
     want = xxhash.xxh3_64_intdigest(value, seed) & 0xFFFFFFFF
-    got = _scatter(helper, [(value, seed, want, target), (value, seed, want ^ 1, target)])
-    if got != [True, False] or out != bytes(value[32:64]) + bytes(value[:32]):
-        raise OSError(f"scatter self-test failed: {got}")
+    flags = (ctypes.c_uint8 * 3)()
+    items = [(value, seed, want, target), (value, seed, want ^ 1, target)]
+    got = _scatter(helper, items, [(0, 2), (1, 0), (2, 1)], flags)
+    if (
+        got != [True, False]
+        or out != bytes(value[32:64]) + bytes(value[:32])
+        or list(flags) != [1, 1, 1]
+    ):
+        raise OSError(f"scatter self-test failed: {got}, marks {list(flags)}")
+    if not helper.wait_flag(ctypes.addressof(flags), 0):
+        raise OSError("wait_flag self-test failed")
     copy = memoryview(bytearray(len(src)))
     digests = _frame(helper, [(copy, src, material)])
     framed = xxhash.xxh3_64_intdigest(src, xxhash.xxh3_64_intdigest(material))
@@ -276,34 +288,44 @@ def _frame(helper: _Helper, items: Sequence[FrameItem]) -> list[int] | None:
 ScatterItem = tuple[memoryview, int | bytes, int, Scatter]
 
 
-def scatter_verify_many(items: Sequence[ScatterItem]) -> list[bool] | None:
+#: Rows of a KV cache marked done while a call runs (:func:`scatter_verify_many`): after
+#: the values before ``end`` are done, ``flags[flag] = 1``, per (end, flag), in order.
+Marks = Sequence[tuple[int, int]]
+
+
+def scatter_verify_many(
+    items: Sequence[ScatterItem], marks: Marks = (), flags: Any = None
+) -> list[bool] | None:
     """For each (src, seed, want, target): write ``src``'s pages where ``target`` says
     (:mod:`.scatter`) and check the low 32 bits of XXH3-64(src, seed) against ``want``,
     every value in one call without the GIL: True per value that checks (a False one's
-    pages were written, and hold nothing usable). Every target shares one plan. None when
-    the helper is unavailable, the plans differ, or a source has no address: the caller
-    then does it value by value."""
+    pages were written, and hold nothing usable). ``marks`` into ``flags`` (a ctypes
+    ``uint8`` array): each set as soon as the values before its end are done, all of them
+    by the return. None when the helper is unavailable or a source has no address (no
+    mark set): the caller then does it value by value."""
     helper = _get()
-    if helper is None or not items:
-        return None if helper is None else []
-    return _scatter(helper, items)
-
-
-def _scatter(helper: _Helper, items: Sequence[ScatterItem]) -> list[bool] | None:
-    plan = same_plan([t for _s, _sd, _w, t in items])
-    if plan is None:
+    if helper is None:
         return None
+    return _scatter(helper, items, marks, flags)
+
+
+def _scatter(
+    helper: _Helper, items: Sequence[ScatterItem], marks: Marks = (), flags: Any = None
+) -> list[bool] | None:
     n = len(items)
-    pages = sum(len(t.pages) for _s, _sd, _w, t in items)
-    src = (ctypes.c_void_p * n)()
-    size = (ctypes.c_size_t * n)()
-    seed = (ctypes.c_uint64 * n)()
-    seed_src = (ctypes.c_void_p * n)()
-    seed_len = (ctypes.c_size_t * n)()
-    want = (ctypes.c_uint32 * n)()
-    first = (ctypes.c_size_t * n)()
-    dst_page = (ctypes.c_void_p * max(1, pages))()
-    ok = (ctypes.c_uint8 * n)()
+    plans: list[PagePlan] = []
+    index: dict[int, int] = {}  # id(plan) -> its index in ``plans``
+    plan_of = (ctypes.c_size_t * max(1, n))()
+    src = (ctypes.c_void_p * max(1, n))()
+    size = (ctypes.c_size_t * max(1, n))()
+    seed = (ctypes.c_uint64 * max(1, n))()
+    seed_src = (ctypes.c_void_p * max(1, n))()
+    seed_len = (ctypes.c_size_t * max(1, n))()
+    want = (ctypes.c_uint32 * max(1, n))()
+    first = (ctypes.c_size_t * max(1, n))()
+    flat = [p for _s, _sd, _w, t in items for p in t.pages]  # 0: not written (NULL)
+    dst_page = (ctypes.c_void_p * max(1, len(flat)))(*flat)
+    ok = (ctypes.c_uint8 * max(1, n))()
     at = 0
     for i, (s, sd, w, t) in enumerate(items):
         if len(s) != t.nbytes:
@@ -312,21 +334,51 @@ def _scatter(helper: _Helper, items: Sequence[ScatterItem]) -> list[bool] | None
         where = address(s)
         if where is None:
             return None
+        p = index.get(id(t.plan))
+        if p is None:
+            p = index[id(t.plan)] = len(plans)
+            plans.append(t.plan)
+        plan_of[i] = p
         src[i], size[i], want[i], first[i] = where, len(s), w, at
-        for p in t.pages:
-            dst_page[at] = p or None
-            at += 1
+        at += len(t.pages)
         if type(sd) is bytes:  # kept alive by ``items`` for the call
             seed_src[i], seed_len[i] = bytes_address(sd), len(sd)
         else:
             seed[i] = sd
-    run_src, run_dst, run_len = run_arrays(plan)
+    k = len(plans)
+    page_bytes = (ctypes.c_size_t * max(1, k))(*[p.page_bytes for p in plans])
+    run_first = (ctypes.c_size_t * max(1, k))()
+    run_count = (ctypes.c_size_t * max(1, k))()
+    runs = [r for p in plans for r in p.runs]
+    run_src = (ctypes.c_size_t * max(1, len(runs)))(*[r[0] for r in runs])
+    run_dst = (ctypes.c_size_t * max(1, len(runs)))(*[r[1] for r in runs])
+    run_len = (ctypes.c_size_t * max(1, len(runs)))(*[r[2] for r in runs])
+    start = 0
+    for j, p in enumerate(plans):
+        run_first[j], run_count[j] = start, len(p.runs)
+        start += len(p.runs)
+    m = len(marks)
+    mark_end = (ctypes.c_size_t * max(1, m))(*[e for e, _f in marks])
+    mark_flag = (ctypes.c_size_t * max(1, m))(*[f for _e, f in marks])
+    if m and flags is None:
+        raise ValueError("scatter_verify_many: marks without flags")
     api = ctypes.byref(helper.api)
-    args = (n, src, size, seed, seed_src, seed_len, want, plan.page_bytes, first, dst_page,
-            len(plan.runs), run_src, run_dst, run_len, api, ok)  # fmt: skip
+    args = (n, src, size, seed, seed_src, seed_len, want, plan_of, page_bytes, run_first,
+            run_count, run_src, run_dst, run_len, first, dst_page, m, mark_end, mark_flag,
+            flags, api, ok)  # fmt: skip
     if helper.scatter(*args) != 0:
         return None
-    return [bool(x) for x in ok]
+    return [bool(ok[i]) for i in range(n)]
+
+
+def wait_flag(flag_address: int, timeout_s: float) -> bool:
+    """Wait for the ``uint8`` at ``flag_address`` to be set (by :func:`scatter_verify_many`
+    on another thread), without the GIL, at most ``timeout_s``: whether it was. False at
+    once when the helper is unavailable (the caller waits its own way)."""
+    helper = _get()
+    if helper is None:
+        return False
+    return bool(helper.wait_flag(flag_address, int(timeout_s * 1e9)))
 
 
 __all__ = [
@@ -334,9 +386,11 @@ __all__ = [
     "XXH3_SYMBOLS",
     "FrameItem",
     "Item",
+    "Marks",
     "ScatterItem",
     "available",
     "copy_verify_many",
     "frame_many",
     "scatter_verify_many",
+    "wait_flag",
 ]

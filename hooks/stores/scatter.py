@@ -21,8 +21,6 @@ native call per row (:mod:`.rowcopy`); any other store through a buffer
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ucm_patch.hooks.stores.memcopy import address, move
@@ -89,22 +87,4 @@ def scatter_from(value: memoryview, target: Scatter) -> None:
             move(start + dst, base + j * page + src, n)
 
 
-def run_arrays(plan: PagePlan) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array]:
-    """The plan's runs as three ``size_t`` arrays (source offsets, destination offsets,
-    lengths), for a native executor."""
-    n = len(plan.runs)
-    src, dst, size = (ctypes.c_size_t * n)(), (ctypes.c_size_t * n)(), (ctypes.c_size_t * n)()
-    for i, (s, d, k) in enumerate(plan.runs):
-        src[i], dst[i], size[i] = s, d, k
-    return src, dst, size
-
-
-def same_plan(targets: Sequence[Scatter]) -> PagePlan | None:
-    """The plan every target shares, None when they differ (executed value by value)."""
-    if not targets:
-        return None
-    plan = targets[0].plan
-    return plan if all(t.plan is plan or t.plan == plan for t in targets) else None
-
-
-__all__ = ["PagePlan", "Scatter", "run_arrays", "same_plan", "scatter_from"]
+__all__ = ["PagePlan", "Scatter", "scatter_from"]

