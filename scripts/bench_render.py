@@ -369,7 +369,9 @@ def full_store_table(d: dict[str, Any]) -> list[str]:
     return [
         f"**The store as the connector builds it** (spilling on): a {tiers['memory'] >> 20} MiB "
         f"memory tier of {tiers['segment'] >> 20} MiB segments over a {tiers['disk'] >> 30} GiB "
-        "disk tier. `with room`: one process puts half the memory tier into a new store. "
+        "disk tier. `with room`: one process puts half the memory tier into a new store "
+        f"(the median of {len(d['with room'].get('passes_mib_s', [0]))} such stores, "
+        f"MiB/s {', '.join(f'{r:.0f}' for r in d['with room'].get('passes_mib_s', []))}). "
         f"`full`: {d['seconds']:g} s of puts by 1, 2 and 4 processes at once, once both tiers "
         "are full (each phase starts quiet: reserve refilled, dirty pages written back). "
         "A batch answered False (skipped: the reserve ran dry) is followed by a pause as "

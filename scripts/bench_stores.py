@@ -330,15 +330,15 @@ def bench_full_store(base: Path, size: int, seconds: float) -> dict[str, Any]:
     half the memory tier into a new store. ``full``: 1, 2 and 4 processes put at once
     into the store once both tiers are full (every later put needs a segment the cleaner
     emptied); MiB/s stored (values answered True) over the wall time, the share skipped
-    (the reserve ran dry: answered False at once), and the slowest call."""
+    (the reserve ran dry: answered False at once), and the slowest call. ``with room`` is
+    the median of :data:`ROOM_PASSES` passes, each into a new store."""
     shutil.rmtree(base, ignore_errors=True)
     store = _two_tier_store(base, size)
     values = [os.urandom(size) for _ in range(64)]
     try:
         _quiet(store)
         _timed_puts_bytes(store, "warm", values, 8 * MiB)  # the code paths, once
-        budget = TWO_TIERS["memory"] // 2
-        room = _timed_puts_bytes(store, "room", values, budget)
+        room = _with_room(base, size, values)
         _fill(store, values, TWO_TIERS["disk"] + TWO_TIERS["memory"])
         pace = room["wall_s"] / max(1, room["stored"] // BATCH_BYTES)
         out: dict[str, Any] = {
@@ -358,6 +358,32 @@ def bench_full_store(base: Path, size: int, seconds: float) -> dict[str, Any]:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(memory, ignore_errors=True)
     return out
+
+
+#: Passes of the rate with room; the row is the median one (a pass is 24 ms here: one
+#: alone moved from 5.7 to 12.2 GB/s between runs).
+ROOM_PASSES = 5
+
+
+def _with_room(base: Path, size: int, values: list[bytes]) -> dict[str, Any]:
+    """The rate with room: half the memory tier put into a new, warmed store, in
+    :data:`ROOM_PASSES` stores one after the other; the median pass by rate, with every
+    pass's MiB/s."""
+    passes = []
+    for i in range(ROOM_PASSES):
+        store = _two_tier_store(base.parent / f"{base.name}-room{i}", size)
+        try:
+            _quiet(store)
+            _timed_puts_bytes(store, "warm", values, 8 * MiB)
+            passes.append(_timed_puts_bytes(store, "room", values, TWO_TIERS["memory"] // 2))
+        finally:
+            memory = store.memory.path
+            store.close()
+            shutil.rmtree(base.parent / f"{base.name}-room{i}", ignore_errors=True)
+            shutil.rmtree(memory, ignore_errors=True)
+    rates = sorted(p["stored"] / p["wall_s"] for p in passes)
+    median = next(p for p in passes if p["stored"] / p["wall_s"] == rates[len(rates) // 2])
+    return {**median, "passes_mib_s": [r / MiB for r in rates]}
 
 
 def _timed_puts_bytes(store: Any, tag: str, values: list[bytes], nbytes: int) -> dict[str, float]:

@@ -120,6 +120,11 @@ def copy_pages(
     return StagedPages(values, staging, buf)
 
 
+#: The largest load buffer made ahead (pinned, per load thread): a row of a 32K-token hit
+#: of Qwen3-8B's shape. A longer context's first hit makes its larger buffer then.
+RESERVE_MAX_BYTES = 128 << 20
+
+
 class WorkerSide:
     """The worker-side half of :class:`ucm_patch.connector.UCMPatchConnector`."""
 
@@ -237,7 +242,8 @@ class WorkerSide:
         self.loads.staging = self.staging
         self.loads.plan_rows()
         if self.can_load and self.staging.pinned and self.reserve_tokens:
-            self.staging.reserve(self._row_bytes(self.reserve_tokens), self.config.load_workers)
+            nbytes = min(self._row_bytes(self.reserve_tokens), RESERVE_MAX_BYTES)
+            self.staging.reserve(nbytes, self.config.load_workers)
 
     def _row_bytes(self, tokens: int) -> int:
         """The most bytes one row loads for a hit of ``tokens`` tokens."""
