@@ -980,10 +980,12 @@ def section_stores(data: dict[str, Any]) -> list[str]:
     lines += [
         "Where a put's time goes (per value, from the rows above): the copy (`memcpy`), "
         "the frame checksum over data not yet in the cache (`xxh3`: the store computes it "
-        "on its own copy, while the bytes are in the cache, so it costs less there; for "
-        "a large value the copy runs on the calling thread's sidecar thread while the "
-        "checksum runs on the caller, both without the GIL, so the two overlap and the "
-        "rest is counted past the longer of them: hooks/stores/sidecar.py), and "
+        "on its own copy, while the bytes are in the cache, so it costs less there: the "
+        "memory tier copies and frames a batch in one native call, piece by piece; for "
+        "a large value into the disk tier the copy runs on the calling thread's sidecar "
+        "thread while the checksum runs on the caller, both without the GIL, so the two "
+        "overlap and the rest is counted past the longer of them: "
+        "hooks/stores/sidecar.py), and "
         "the rest: the index transaction (LMDB), the segment lease, emptying the least "
         "recently used segment (its stale index entries, deleted in the transaction that "
         "empties it) and the "
@@ -1011,13 +1013,15 @@ def _store_profile(label: str, sd: dict[str, Any]) -> list[str]:
     def us(xs: list[float] | None) -> float | None:
         return size / (statistics.median(xs) * (1 << 20)) * 1e6 if xs else None
 
-    from ucm_patch.hooks.stores.tier import MAPPED_SIDECAR_MIN, PIECE
+    from ucm_patch.hooks.stores.tier import PIECE
 
     copy = us(res["memcpy"]["memcpy into preallocated"])
     xxh = us(res["memcpy"]["xxh3 (the frame checksum)"])
     rows = []
     for name in ("memory tier", "disk tier"):
-        beside = size >= (MAPPED_SIDECAR_MIN if name == "memory tier" else PIECE)
+        # the memory tier frames on its copy in one native call; the disk tier's large
+        # values are copied on the sidecar beside the checksum
+        beside = name == "disk tier" and size >= PIECE
         for op in ("put", "get_into"):
             t = us(res.get(name, {}).get(op))
             if t is None or copy is None or xxh is None:

@@ -490,10 +490,12 @@ class Tier:
         return lease, len(batch)
 
     def _write(self, lease: Lease, batch: list[Record], end: int, framed: bool) -> None:
-        """Write ``batch`` from ``lease.end`` on. A batch of large values (``PIECE`` for a
-        file, :data:`MAPPED_SIDECAR_MIN` for a mapping) is copied on this thread's sidecar
-        while their frames are computed here (:meth:`_write_hashing_meanwhile`).
-        Otherwise a mapped segment gets each payload copied once and its frame computed on
+        """Write ``batch`` from ``lease.end`` on. A mapped segment takes the whole batch in
+        one native call where the row helper is built (:meth:`_write_framed_in_one_call`).
+        Otherwise a batch of large values (``PIECE`` for a file,
+        :data:`MAPPED_SIDECAR_MIN` for a mapping) is copied on this thread's sidecar
+        while their frames are computed here (:meth:`_write_hashing_meanwhile`), and
+        otherwise a mapped segment gets each payload copied once and its frame computed on
         the copy (hot in the cache: the checksum costs no second trip to memory; a payload
         over ``PIECE`` piece by piece, so that it stays so), and a file segment gets one
         ``pwritev`` of the batch."""
