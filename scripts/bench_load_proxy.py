@@ -124,6 +124,14 @@ class _Spinner:
         self._thread.join()
 
 
+def _used_since(before: Any) -> tuple[float, int]:
+    """The calling thread's CPU seconds and voluntary context switches since ``before``
+    (its ``getrusage(RUSAGE_THREAD)``)."""
+    after = resource.getrusage(resource.RUSAGE_THREAD)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return cpu, after.ru_nvcsw - before.ru_nvcsw
+
+
 #: The pages of a value in the stand-in KV cache: a layer's 16-token block of Qwen3-8B's
 #: shape (8 KV heads of 128 dims, bf16, K and V) is 64 KiB, a 1 MiB value 16 of them.
 PAGE_BYTES = 64 << 10
@@ -177,12 +185,8 @@ def _load_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]], cache
             marks.append((end, r))
         to = [cache.targets[index[k]] for k in keys]
         ok = all(store.get_many_scattered(keys, to, marks, flags, located))
-        after = resource.getrusage(resource.RUSAGE_THREAD)
         with lock:
-            usage.append((
-                after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
-                after.ru_nvcsw - before.ru_nvcsw,
-            ))  # fmt: skip
+            usage.append(_used_since(before))
         return ok
 
     t0 = time.perf_counter()
@@ -265,12 +269,8 @@ def _dump_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]],
         before = resource.getrusage(resource.RUSAGE_THREAD)
         items = [(f"{tag}/{k}", data[i % len(data)]) for i, k in enumerate(keys)]
         ok = all(store.put_many(items))
-        after = resource.getrusage(resource.RUSAGE_THREAD)
         with lock:
-            usage.append((
-                after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
-                after.ru_nvcsw - before.ru_nvcsw,
-            ))  # fmt: skip
+            usage.append(_used_since(before))
         return ok
 
     t0 = time.perf_counter()

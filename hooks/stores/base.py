@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ucm_patch.hooks.settings import SettingError
-from ucm_patch.hooks.stores.scatter import Scatter, scatter_from
+from ucm_patch.hooks.stores.scatter import Scatter, check_targets, scatter_from, set_marks
 
 
 class StoreError(RuntimeError):
@@ -126,8 +126,7 @@ class KVStore(ABC):
         ``marks`` (end index in ``keys``, flag index) into ``flags``, a ctypes ``uint8``
         array: each flag set once the values before its end are written (rows a reader
         waits for one by one); this default sets them all at the end."""
-        if len(keys) != len(targets):
-            raise ValueError(f"get_many_scattered: {len(keys)} keys for {len(targets)} targets")
+        check_targets(keys, targets)
         out: list[bool] = []
         try:
             for value, target in zip(self.get_many(keys), targets, strict=True):
@@ -137,8 +136,7 @@ class KVStore(ABC):
                 scatter_from(memoryview(value), target)
                 out.append(True)
         finally:
-            for _end, flag in marks:
-                flags[flag] = 1
+            set_marks(marks, flags)
         return out
 
     def max_value_bytes(self) -> int | None:

@@ -69,7 +69,7 @@ from ucm_patch.hooks.stores.framing import (
     load_store_key,
     verify,
 )
-from ucm_patch.hooks.stores.scatter import Scatter
+from ucm_patch.hooks.stores.scatter import Scatter, check_targets, set_marks
 from ucm_patch.hooks.stores.segment_files import SegmentLost
 from ucm_patch.hooks.stores.segment_index import Loc
 from ucm_patch.hooks.stores.tier import (
@@ -513,24 +513,21 @@ class LocalStore(KVStore):
         ``located``: the keys' :meth:`lookup_for_load`, made earlier (by the thread that
         holds the GIL anyway: vLLM's forward, in ``start_load_kv``)."""
         self._check_open()
-        if len(keys) != len(targets):
-            raise ValueError(f"get_many_scattered: {len(keys)} keys for {len(targets)} targets")
+        check_targets(keys, targets)
         out: list[bytes | None] = [None] * len(keys)
         memory = self.memory
         if not marks or memory is None:
             try:
                 self._read(keys, None, out, targets)
             finally:
-                for _end, flag in marks:
-                    flags[flag] = 1
+                set_marks(marks, flags)
             return [v is not None for v in out]
         try:
             locs = located if located is not None else self.lookup_for_load(keys)
             if locs is None or len(locs) != len(keys):
                 raise ValueError(f"get_many_scattered: {len(keys)} keys, located {locs!r:.40}")
         except BaseException:
-            for _end, flag in marks:
-                flags[flag] = 1
+            set_marks(marks, flags)
             raise
         rest = [i for i, loc in enumerate(locs) if loc is None]
         first = [i for i, loc in enumerate(locs) if loc is not None]
@@ -551,8 +548,7 @@ class LocalStore(KVStore):
             for i, v in zip(first, sub, strict=True):
                 out[i] = v
         finally:
-            for _end, flag in marks:
-                flags[flag] = 1
+            set_marks(marks, flags)
         return [v is not None for v in out]
 
     def _read(

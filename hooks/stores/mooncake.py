@@ -68,7 +68,7 @@ from ucm_patch.hooks.stores.framing import (
     make_header,
     verify,
 )
-from ucm_patch.hooks.stores.scatter import Scatter, scatter_from
+from ucm_patch.hooks.stores.scatter import Scatter, check_targets, scatter_from, set_marks
 
 log = logging.getLogger(__name__)
 
@@ -522,8 +522,7 @@ class MooncakeStore(KVStore):
     ) -> list[bool]:
         """Each value's pages written where its target says, from the registered staging
         buffer its frame was checked in (one copy per byte, no ``bytes`` per value)."""
-        if len(keys) != len(targets):
-            raise ValueError(f"get_many_scattered: {len(keys)} keys for {len(targets)} targets")
+        check_targets(keys, targets)
         out = [False] * len(keys)
 
         def take(i: int, payload: memoryview) -> int:
@@ -536,8 +535,7 @@ class MooncakeStore(KVStore):
         try:
             self._read_many(keys, take)
         finally:
-            for _end, flag in marks:  # set at the end (no row is done before)
-                flags[flag] = 1
+            set_marks(marks, flags)  # set at the end (no row is done before)
         return out
 
     def _read_many(self, keys: Sequence[str], take: _Take) -> None:

@@ -28,6 +28,19 @@ struct xxh3_api {
     xxh3_digest_fn digest;
 };
 
+/* Start a value's checksum: seeded with ``seed``, or with XXH3-64 of the ``seed_len`` bytes
+ * at ``seed_src`` when that is not NULL (the frame's header and key). */
+static void start_value(void *state, const struct xxh3_api *api, uint64_t seed,
+                        const char *seed_src, size_t seed_len)
+{
+    if (seed_src != NULL) {
+        api->reset(state, 0);
+        api->update(state, seed_src, seed_len);
+        seed = api->digest(state);
+    }
+    api->reset(state, seed);
+}
+
 /* Hashed right after its copy, piece by piece, while the piece is still in the cache. */
 #define PIECE ((size_t)256 << 10)
 
@@ -44,13 +57,7 @@ int ucm_rowcopy(size_t n, char *const *dst, const char *const *src, const size_t
     if (state == NULL)
         return -1;
     for (size_t i = 0; i < n; i++) {
-        uint64_t s = seed[i];
-        if (seed_src[i] != NULL) {
-            api->reset(state, 0);
-            api->update(state, seed_src[i], seed_len[i]);
-            s = api->digest(state);
-        }
-        api->reset(state, s);
+        start_value(state, api, seed[i], seed_src[i], seed_len[i]);
         for (size_t at = 0; at < len[i]; at += PIECE) {
             size_t k = len[i] - at < PIECE ? len[i] - at : PIECE;
             if (src != NULL && src[i] != NULL)
@@ -132,13 +139,7 @@ int ucm_scatter(size_t n, const char *const *src, const size_t *len, const uint6
     while (m < nmarks && mark_end[m] == 0)
         __atomic_store_n(&flags[mark_flag[m++]], 1, __ATOMIC_RELEASE);
     for (size_t i = 0; i < n; i++) {
-        uint64_t s = seed[i];
-        if (seed_src[i] != NULL) {
-            api->reset(state, 0);
-            api->update(state, seed_src[i], seed_len[i]);
-            s = api->digest(state);
-        }
-        api->reset(state, s);
+        start_value(state, api, seed[i], seed_src[i], seed_len[i]);
         size_t p = plan_of[i], page = page_bytes[p];
         size_t r0 = run_first[p], r1 = r0 + run_count[p];
         size_t pages = page ? len[i] / page : 0;

@@ -21,7 +21,9 @@ native call per row (:mod:`.rowcopy`); any other store through a buffer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ucm_patch.hooks.stores.memcopy import address, move
 
@@ -67,6 +69,18 @@ class Scatter:
         return len(self.pages) * self.plan.page_bytes
 
 
+def check_targets(keys: Sequence[str], targets: Sequence[Scatter]) -> None:
+    """ValueError naming both counts when ``keys`` and ``targets`` differ in length."""
+    if len(keys) != len(targets):
+        raise ValueError(f"get_many_scattered: {len(keys)} keys for {len(targets)} targets")
+
+
+def set_marks(marks: Sequence[tuple[int, int]], flags: Any) -> None:
+    """Set every mark's flag (a call's way out: whatever it did, no reader waits on)."""
+    for _end, flag in marks:
+        flags[flag] = 1
+
+
 def scatter_from(value: memoryview, target: Scatter) -> None:
     """Copy ``value`` (``target.nbytes`` bytes) to where ``target`` says, run by run: the
     executor of any store without one of its own (the local store has a native one)."""
@@ -87,4 +101,4 @@ def scatter_from(value: memoryview, target: Scatter) -> None:
             move(start + dst, base + j * page + src, n)
 
 
-__all__ = ["PagePlan", "Scatter", "scatter_from"]
+__all__ = ["PagePlan", "Scatter", "check_targets", "scatter_from", "set_marks"]
