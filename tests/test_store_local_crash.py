@@ -23,6 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ucm_patch.hooks.stores.local import LocalStore
+from ucm_patch.hooks.stores.segment_index import SegmentIndex
 
 BATCH = 8
 SMALL, LARGE = 192 << 10, 384 << 10  # LARGE > framing.PIECE: a disk batch's headers go in last
@@ -109,3 +110,33 @@ def test_sigkill_mid_write_loses_nothing_stored(tmp_path: Path, tiers: str, size
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--writer"]:
     _writer(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+
+
+def test_a_reader_killed_mid_transaction_does_not_fill_the_index(tmp_path: Path) -> None:
+    """A process killed inside an LMDB read transaction (a cleaner or a writer, SIGKILL)
+    leaves its reader slot behind, and no page freed after its snapshot can be reused:
+    the index's map fills with dead pages and every write fails (MDB_MAP_FULL), which
+    the stores took for a full disk. The index clears dead readers' slots when its map
+    is full and runs the transaction again: thousands of transactions later it still
+    writes."""
+    index = SegmentIndex(str(tmp_path), 0o700, 0o600, False, 0)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import lmdb, sys, time; e = lmdb.open(sys.argv[1], max_dbs=5, map_size="
+            f"{index.map_bytes}); t = e.begin(); t.stat(); print('ready', flush=True); "
+            "time.sleep(600)"
+        ), index.path],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert reader.stdout is not None and reader.stdout.readline().strip() == "ready"
+    reader.send_signal(signal.SIGKILL)
+    reader.wait(10)
+    pid = os.getpid()
+    # every claim and release rewrites pages: far more than the map holds without reuse
+    transactions = 4 * index.map_bytes // 4096
+    for i in range(transactions // 2):
+        seg = i % 64
+        gen = index.claim(seg, index.segments().get(seg), pid, empty=False)
+        assert gen is not None
+        index.release(seg, gen, pid)
+    index.close()

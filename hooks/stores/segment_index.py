@@ -103,7 +103,16 @@ def _guarded(fn: Callable[..., _T]) -> Callable[..., _T]:
     @functools.wraps(fn)
     def call(self: SegmentIndex, *args: object, **kwargs: object) -> _T:
         try:
-            return fn(self, *args, **kwargs)
+            try:
+                return fn(self, *args, **kwargs)
+            except lmdb.MapFullError:
+                # A process killed inside a read transaction (a cleaner, a writer) leaves
+                # its reader slot behind, and every page freed since stays unusable: the
+                # map fills with pages nobody reads. Its slot cleared, the (aborted)
+                # transaction runs once more.
+                if not self._clear_dead_readers():
+                    raise
+                return fn(self, *args, **kwargs)
         except lmdb.Error as exc:
             raise StoreError(f"store index {self.path!r}: {exc}") from as_os_error(exc)
 
@@ -150,6 +159,13 @@ class SegmentIndex:
         self._pid = os.getpid()
         self.read_only = False
         self._open_env()
+
+    def _clear_dead_readers(self) -> int:
+        """Reader slots of processes that died, cleared (LMDB ``reader_check``): how many."""
+        try:
+            return int(self._env.reader_check())
+        except lmdb.Error:
+            return 0
 
     @_guarded
     def _open_env(self) -> None:
