@@ -353,16 +353,18 @@ def full_store_targets(d: dict[str, Any] | None, label: str) -> list[tuple[str, 
 
 def full_store_table(d: dict[str, Any]) -> list[str]:
     """Section 5's table of the two-tier rows."""
-    head = ("phase", "stored MiB/s", "offered MiB/s", "skipped", "median call", "p99.9",
-            "slowest call")  # fmt: skip
+    head = ("phase", "stored MiB/s", "offered MiB/s", "skipped", "written around",
+            "median call", "p99.9", "slowest call")  # fmt: skip
     rows = []
     for name, row in d.items():
         if not isinstance(row, dict) or "stored" not in row:
             continue
         skipped = 1 - row["stored"] / row["offered"] if row["offered"] else 0.0
         offered = row["offered"] / (1 << 20) / row["wall_s"]
+        around = sum(e.get("around_bytes", 0) for e in row.get("each", [row]))
+        around_share = f"{100 * around / row['stored']:.0f} %" if row["stored"] else "-"
         rows.append((name, f"{_stored_rate(row):.0f}", f"{offered:.0f}",
-                     f"{100 * skipped:.0f} %", f"{row['median_ms']:.2f} ms",
+                     f"{100 * skipped:.0f} %", around_share, f"{row['median_ms']:.2f} ms",
                      f"{row['p999_ms']:.1f} ms", f"{row['slowest_ms']:.1f} ms"))  # fmt: skip
     tiers = d["tiers"]
     jitter = d["host jitter"]
@@ -374,7 +376,10 @@ def full_store_table(d: dict[str, Any]) -> list[str]:
         f"MiB/s {', '.join(f'{r:.0f}' for r in d['with room'].get('passes_mib_s', []))}). "
         f"`full`: {d['seconds']:g} s of puts by 1, 2 and 4 processes at once, once both tiers "
         "are full (each phase starts quiet: reserve refilled, dirty pages written back). "
-        "A batch answered False (skipped: the reserve ran dry) is followed by a pause as "
+        "`written around`: the share of the bytes stored that went around the dry memory "
+        "tier into ready segments of the disk tier (one copy, not a put and a spill). "
+        "A batch answered False (skipped: no segment ready in either tier) is followed "
+        "by a pause as "
         f"long as a stored batch takes with room ({d['pace_ms']:.2f} ms), as a producer's "
         "next values come no sooner. Host jitter: the slowest pass of a loop of two 1 MiB "
         f"copies, {jitter['alone_ms']:.1f} ms alone and {jitter['beside_disk_writes_ms']:.1f} "

@@ -307,8 +307,10 @@ def _full_worker(path: str, size: int, seconds: float, pace_s: float, tag: str) 
     _quiet(store)
     print("ready", flush=True)
     sys.stdin.readline()
+    around = store.stats["written_around"]
     out = _timed_puts(store, tag, values, seconds, pace_s)
     out["dry"] = store.stats["reserve_dry"]
+    out["around_bytes"] = (store.stats["written_around"] - around) * size
     print(json.dumps(out), flush=True)
     store.close()
 

@@ -196,10 +196,12 @@ def test_fsync_mode_round_trips(kv_dir: Path) -> None:
     assert LocalStore(kv_dir, capacity_bytes=1 << 20).get_many(["k"]) == [b"durable"]
 
 
-def test_memory_tier_spills_to_disk_and_is_shared(kv_dir: Path, shm_dir: Path) -> None:
+def test_memory_tier_spills_to_disk_and_is_shared(kv_dir: Path, shm_dir: Path, monkeypatch) -> None:
     """Puts land in the memory tier; a memory segment being emptied moves its values to
-    the disk tier (no value lost while the disk has room); another process sees both."""
+    the disk tier (no value lost while the disk has room); another process sees both.
+    (No put goes around the dry memory tier here: test_store_local_cleaner.py has those.)"""
     s = LocalStore(kv_dir, 1 << 20, memory_bytes=4 * SEG, memory_path=shm_dir, segment_bytes=SEG)
+    monkeypatch.setattr(s._dirty, "room", lambda: False)
     per_seg = SEG // record_bytes(3000)
     keys = [f"k{i}" for i in range(5 * per_seg)]
     for k in keys:  # a put the reserve had no segment for is skipped: put again once refilled

@@ -3,7 +3,9 @@ segment between puts, and nothing stored is lost when a writer or its cleaner is
 
 The cleaner is a process of its own (hooks/stores/segment_cleaner.py). Stalling it with
 SIGSTOP stands for a disk slower than the puts: the reserve runs dry, and puts must still
-return at once (their values skipped and counted), never wait for a spill.
+return at once, never wait for a spill: their values go around the memory tier into the
+disk tier's page cache while the kernel lets pages be dirtied without pausing the writer,
+and are skipped and counted past that line (or when the disk tier fsyncs).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ucm_patch.hooks.stores import segment_files
+from ucm_patch.hooks.stores import segment_cleaner, segment_files
 from ucm_patch.hooks.stores import tier as tier_module
 from ucm_patch.hooks.stores.cleaner_process import SPILL_WRITE_NICE, SpillWriter
 from ucm_patch.hooks.stores.local import LocalStore
@@ -85,18 +87,66 @@ def test_no_put_spills_in_the_putting_process(tmp_path: Path, monkeypatch) -> No
     _put_all(s, keys)
     assert s.memory is not None and s.memory.cleaner.pid is not None
     assert spills == [], f"spilled in the putting process, on {set(spills)}"
-    assert s.stats["spilled"] >= len(keys) - 8 * PER_SEG  # counted by the cleaner
+    # each value past the memory tier's size left it by a spill (counted by the cleaner)
+    # or went around it (the reserve was dry)
+    assert s.stats["spilled"] + s.stats["written_around"] >= len(keys) - 8 * PER_SEG
     assert s.get_many(keys) == [value_of(k) for k in keys]
     assert s.stats["evictions"] == 0 and s.stats["corrupt"] == 0
     s.close()
 
 
-def test_a_dry_reserve_skips_at_once_and_never_waits(tmp_path: Path) -> None:
-    """The cleaner stopped (SIGSTOP: a disk that takes nothing): once the memory tier is
-    full, puts answer False at once, counted in skipped_full and reserve_dry, and return
-    while the cleaner is still stopped. Let go, it refills the reserve and puts store
-    again; every value answered True is readable."""
+def _no_dirty_room(s: LocalStore, monkeypatch) -> None:
+    """The host's dirty pages past the kernel's free-run line: no put may go around."""
+    monkeypatch.setattr(s._dirty, "room", lambda: False)
+
+
+def test_a_dry_reserve_writes_around_the_memory_tier_at_once(tmp_path: Path) -> None:
+    """The cleaner stopped: once the memory tier is full, puts still answer True at once,
+    their values written around it into the disk tier (one copy, never a spill on the
+    put's thread), counted in written_around and readable from the disk tier; what the
+    memory tier held is untouched. A store that fsyncs its disk tier never writes around
+    (the put would wait for the disk): there, the same puts are skipped."""
     s = _store(tmp_path)
+    pid = _stop_cleaner(s)
+    keys = [f"a{i}" for i in range(3 * 8 * PER_SEG)]
+    try:
+        started = time.monotonic()
+        answers = [s.put_many([(k, value_of(k))]) for k in keys]
+        took = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert answers == [[True]] * len(keys), "a put was skipped with room for dirty pages"
+    assert took < 30, f"the puts took {took:.1f} s"
+    around = s.stats["written_around"]
+    assert around >= len(keys) - 8 * PER_SEG and s.stats["reserve_dry"] >= 1
+    assert s.stats["skipped_full"] == 0 and s.stats["spilled"] == 0
+    tiers = [p.tier for p in map(s.where, keys) if p is not None]
+    assert len(tiers) == len(keys) and tiers.count("disk") == around, tiers
+    assert s.get_many(keys) == [value_of(k) for k in keys]
+    s.close()
+
+    synced = LocalStore(
+        tmp_path / "kv-fsync", capacity_bytes=64 * SEG, memory_bytes=8 * SEG,
+        memory_path=tmp_path / "shm-fsync", segment_bytes=SEG, fsync=True,
+    )  # fmt: skip
+    pid = _stop_cleaner(synced)
+    try:
+        answers = [synced.put_many([(k, value_of(k))]) for k in keys]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert [False] in answers and synced.stats["written_around"] == 0
+    assert synced.stats["skipped_full"] == answers.count([False])
+    synced.close()
+
+
+def test_a_dry_reserve_skips_at_once_and_never_waits(tmp_path: Path, monkeypatch) -> None:
+    """The cleaner stopped (SIGSTOP: a disk that takes nothing) and the host's dirty pages
+    past the free-run line: once the memory tier is full, puts answer False at once,
+    counted in skipped_full and reserve_dry, and return while the cleaner is still
+    stopped. Let go, it refills the reserve and puts store again; every value answered
+    True is readable."""
+    s = _store(tmp_path)
+    _no_dirty_room(s, monkeypatch)
     pid = _stop_cleaner(s)
     answers: dict[str, bool] = {}
 
@@ -131,6 +181,7 @@ def test_a_dry_reserve_is_answered_without_reading_the_index(tmp_path: Path, mon
     After a spill (the tier's shared counts change) a put reads the index again."""
     monkeypatch.setattr(tier_module, "DRY_RECHECK_S", 600.0)  # only a spill ends it here
     s = _store(tmp_path)
+    _no_dirty_room(s, monkeypatch)
     pid = _stop_cleaner(s)
     try:
         i = 0
@@ -162,6 +213,7 @@ def test_a_spill_is_counted_once_its_segment_is_ready(tmp_path: Path, monkeypatc
     monkeypatch.setattr(SegmentCleaner, "ensure_started", lambda self: None)  # driven here
     monkeypatch.setattr(SegmentCleaner, "wake", lambda self: None)
     s = _store(tmp_path)
+    _no_dirty_room(s, monkeypatch)
     memory = s.memory
     assert memory is not None
     i = 0
@@ -184,6 +236,131 @@ def test_a_spill_is_counted_once_its_segment_is_ready(tmp_path: Path, monkeypatc
     s.close()
 
 
+class _FakeTier:
+    """What refill_two reads and does: the reserve's state and the segments it empties."""
+
+    count = 64
+
+    def __init__(self, reserve: int, ready: int, victims: list[int]) -> None:
+        self.reserve, self.ready = reserve, ready
+        self.victims = [(tick, seg, None) for seg, tick in enumerate(victims)]
+        self.emptied: list[tuple[int, bool]] = []
+
+    def reserve_state(self) -> tuple[int, list]:  # type: ignore[type-arg]
+        return self.ready, sorted(self.victims)
+
+    def empty_segment(self, victim: tuple, drop: bool = False) -> bool:  # type: ignore[type-arg]
+        self.victims.remove(victim)
+        self.ready += 1
+        self.emptied.append((victim[0], drop))
+        return True
+
+
+def test_the_cleaner_empties_the_stores_oldest_segment_whichever_tier_holds_it() -> None:
+    """One recency order over both tiers (segment_cleaner.refill_two): the memory tier's
+    oldest segment is spilled while the disk has room beyond its reserve, and once the
+    disk is full only when it is newer than the disk's oldest (which the spill evicts);
+    older, it is dropped. The disk's reserve is refilled by dropping its oldest segment,
+    after every memory segment older than that one."""
+    around = 2  # the disk tier's reserve here
+    # the disk has room: the memory tier's oldest is spilled, never dropped
+    memory, disk = _FakeTier(2, 0, [10, 20, 30]), _FakeTier(0, around + 5, [])
+    segment_cleaner.refill_two(memory, disk, disk_reserve=around)
+    assert memory.emptied == [(10, False), (20, False)] and disk.emptied == []
+    # the disk full, its oldest newer than the memory's oldest: dropped, not spilled
+    memory, disk = _FakeTier(2, 0, [10, 20, 50]), _FakeTier(0, around, [15, 40])
+    segment_cleaner.refill_two(memory, disk, disk_reserve=around)
+    assert memory.emptied == [(10, True), (20, False)], memory.emptied
+    assert disk.emptied == []
+    # the disk's reserve short: memory segments older than the disk's oldest go first
+    memory, disk = _FakeTier(1, 1, [5, 6, 90]), _FakeTier(0, 0, [7, 8, 9])
+    segment_cleaner.refill_two(memory, disk, disk_reserve=around)
+    assert memory.emptied == [(5, True), (6, True)], memory.emptied
+    assert disk.emptied == [(7, True), (8, True)], disk.emptied
+    # both reserves full: nothing emptied
+    memory, disk = _FakeTier(1, 1, [1]), _FakeTier(0, around, [2])
+    segment_cleaner.refill_two(memory, disk, disk_reserve=around)
+    assert memory.emptied == [] and disk.emptied == []
+    # by default, the reserve a disk tier of its size keeps: an eighth, at most 16
+    assert [segment_cleaner.around_reserve(n) for n in (8, 64, 1000)] == [2, 8, 16]
+
+
+def test_recency_holds_across_tiers_with_puts_written_around(tmp_path: Path, monkeypatch) -> None:
+    """A full store whose cleaner falls behind (driven here, one refill per skipped put):
+    puts go around the dry memory tier into the disk tier, the cleaner drops memory
+    segments older than the disk's oldest instead of spilling them, and the readable
+    keys are still exactly the newest ones, in put order."""
+    monkeypatch.setattr(SegmentCleaner, "ensure_started", lambda self: None)  # driven here
+    monkeypatch.setattr(SegmentCleaner, "wake", lambda self: None)
+    s = _store(tmp_path, disk_segments=16)
+    monkeypatch.setattr(s._dirty, "room", lambda: True)
+    assert s.memory is not None
+    keys = [f"w{i}" for i in range(12 * 8 * PER_SEG)]
+    refills = 0
+    for k in keys:
+        while s.put_many([(k, value_of(k))]) != [True]:
+            segment_cleaner.refill_two(s.memory, s.disk)
+            refills += 1
+            assert refills < 100 * len(keys), "the store never took the put"
+    got = s.get_many(keys)
+    readable = [i for i, v in enumerate(got) if v is not None]
+    assert all(got[i] == value_of(keys[i]) for i in readable)
+    assert readable == list(range(readable[0], len(keys))), "a newer value was lost"
+    assert len(readable) > 8 * PER_SEG
+    assert s.stats["written_around"] > 0 and s.stats["spilled"] > 0
+    assert s.memory.evictions > 0, "no memory segment was dropped for being the oldest"
+    s.close()
+
+
+def test_without_a_cleaner_process_a_thread_keeps_the_same_order(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Where the cleaner process cannot be started, the writer's cleaner thread does its
+    work: both reserves, one recency order (puts written around included), and the
+    readable keys are the newest ones, in put order."""
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise OSError(11, "no processes left")
+
+    monkeypatch.setattr(segment_cleaner.subprocess, "Popen", refuse)
+    s = _store(tmp_path, disk_segments=16)
+    monkeypatch.setattr(s._dirty, "room", lambda: True)
+    keys = [f"t{i}" for i in range(12 * 8 * PER_SEG)]
+    _put_all(s, keys)
+    assert s.memory is not None and s.memory.cleaner.pid is None
+    got = s.get_many(keys)
+    readable = [i for i, v in enumerate(got) if v is not None]
+    assert all(got[i] == value_of(keys[i]) for i in readable)
+    assert readable == list(range(readable[0], len(keys))), "a newer value was lost"
+    assert len(readable) > 8 * PER_SEG and s.stats["evictions"] > 0
+    s.close()
+
+
+def test_a_put_written_around_never_empties_a_segment(tmp_path: Path) -> None:
+    """The cleaner stopped: puts go around the full memory tier while the disk tier has
+    segments never used, then are skipped at once: none empties a disk segment itself
+    (that is the cleaner's, in the recency order). Let go, the cleaner refills both
+    reserves and puts store again."""
+    s = _store(tmp_path, disk_segments=16)
+    pid = _stop_cleaner(s)
+    keys = [f"x{i}" for i in range(4 * 16 * PER_SEG)]
+    try:
+        answers = [s.put_many([(k, value_of(k))]) == [True] for k in keys]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert s.stats["evictions"] == 0 and s.stats["written_around"] > 0
+    assert False in answers, "the disk tier never ran out of ready segments"
+    stored = [k for k, ok in zip(keys, answers, strict=True) if ok]
+    assert s.get_many(stored) == [value_of(k) for k in stored]
+    assert s.memory is not None and s.memory.cleaner.wait_idle(60)
+    deadline = time.monotonic() + 60
+    while s.put_many([("after", value_of("after"))]) != [True]:
+        assert time.monotonic() < deadline, "puts stayed skipped after the cleaner ran"
+        time.sleep(0.01)
+    assert s.get_many(["after"]) == [value_of("after")]
+    s.close()
+
+
 def test_spill_writes_run_on_a_low_priority_thread(tmp_path: Path) -> None:
     """The cleaner process writes its spills on a thread at SPILL_WRITE_NICE (so that a
     put sharing its core runs first), while its own thread, which holds the index's
@@ -202,8 +379,11 @@ def test_spill_writes_run_on_a_low_priority_thread(tmp_path: Path) -> None:
     finally:
         writer.close()
     s = _store(tmp_path)
-    _put_all(s, [f"n{i}" for i in range(3 * 8 * PER_SEG)])  # the cleaner spilled
-    pid = s.memory.cleaner.pid  # type: ignore[union-attr]
+    _put_all(s, [f"n{i}" for i in range(3 * 8 * PER_SEG)])
+    # puts that found the reserve dry went around it: the cleaner spills once it runs
+    assert s.memory is not None and s.memory.cleaner.wait_idle(60)
+    _put_all(s, ["counted"])  # the store's counters, read again
+    pid = s.memory.cleaner.pid
     assert pid is not None and s.stats["spilled"] > 0
     nice = {}
     for task in os.listdir(f"/proc/{pid}/task"):

@@ -2,9 +2,11 @@
 
 It opens the two tiers again from their specs (:meth:`Tier.spec`), never the store: it
 does not count as a user of the memory tier (whose last user's close spills and removes
-it), and it allocates nothing (no warmer). It refills the reserve whenever it is short,
-looking every :data:`ACTIVE_POLL_S` while puts or hits land (the tier's recency stamps
-change) and every :data:`IDLE_POLL_S` once none have for :data:`IDLE_AFTER_S`. It exits
+it), and it allocates nothing (no warmer). It refills the memory tier's reserve, and the
+disk tier's that puts written around a dry memory tier take from, in one recency order
+over both (:func:`~.segment_cleaner.refill_two`), whenever one is short, looking every
+:data:`ACTIVE_POLL_S` while puts or hits land (either tier's recency stamps change) and
+every :data:`IDLE_POLL_S` once none have for :data:`IDLE_AFTER_S`. It exits
 on SIGTERM (``close``: after the segment it is spilling), once its parent is gone
 (killed included) or a tier's directory is, and ignores a terminal's SIGINT, which is
 its parent's to handle.
@@ -24,7 +26,7 @@ from typing import Any
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.framing import load_store_key
-from ucm_patch.hooks.stores.segment_cleaner import refill
+from ucm_patch.hooks.stores.segment_cleaner import around_reserve, refill_two
 from ucm_patch.hooks.stores.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -96,15 +98,20 @@ def main(args: dict[str, Any]) -> None:
     writer = SpillWriter()
     disk.run_spill_write = writer.run
     try:
-        seen, active_until = b"", 0.0
+        seen, seen_disk, active_until, unfinished = b"", b"", 0.0, True
+        reserve = 0 if disk.fsync else around_reserve(disk.count)
         while not stopping.is_set() and os.getppid() == parent and _present(memory, disk):
             now = time.monotonic()
-            stamps = memory.stamps()
-            if stamps != seen:  # a put or a hit since the last look
-                seen, active_until = stamps, now + IDLE_AFTER_S
+            stamps, disk_stamps = memory.stamps(), disk.stamps()  # puts around land on disk
+            moved = disk_stamps != seen_disk
+            if stamps != seen or moved:  # a put or a hit since the last look
+                seen, seen_disk, active_until = stamps, disk_stamps, now + IDLE_AFTER_S
             try:
-                refill(memory, stopping)
+                unfinished = refill_two(
+                    memory, disk, stopping, reserve, disk_moved=moved or unfinished
+                )
             except (StoreError, OSError) as exc:
+                unfinished = True
                 warn.warning("round", "%s: cleaner round failed: %s", memory.path, exc)
             stopping.wait(ACTIVE_POLL_S if now < active_until else IDLE_POLL_S)
     finally:

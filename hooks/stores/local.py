@@ -10,7 +10,10 @@ of memcpy, a ceiling of the design). docs/CONNECTOR.md#store measures the altern
   core, the TP workers, other vLLM instances on the host. A put and a get are one copy.
 * **disk tier** (``path``): segments written with ``pwritev`` and read with ``preadv``.
   The memory tier spills to it: the values of a memory segment being emptied are written
-  to the disk tier first. Without a memory tier, puts go straight to disk.
+  to the disk tier first. A full store's puts that find the memory tier's reserve dry go
+  around it, into disk segments the cleaner emptied ahead (one copy instead of a put and
+  a spill), and one recency order over both tiers decides what is evicted
+  (:func:`~.segment_cleaner.refill_two`). Without a memory tier, puts go straight to disk.
 
 Each tier is a :class:`~ucm_patch.hooks.stores.tier.Tier`: a shared LMDB index (key digest
 -> segment, generation, offset), segments leased to one writer at a time, one capacity per
@@ -61,6 +64,7 @@ from xxhash import xxh3_128_digest
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores import memory_tiers, rowcopy
 from ucm_patch.hooks.stores.base import KVStore, StoreError, ValueSizeError
+from ucm_patch.hooks.stores.dirty_pages import DirtyGauge
 from ucm_patch.hooks.stores.framing import (
     HEADER_SIZE,
     CorruptValue,
@@ -163,10 +167,10 @@ def _weak_spill(store: LocalStore) -> Spill:
     warmer keep allocating) until the cycle collector ran."""
     method = weakref.WeakMethod(store._spill)
 
-    def spill(view: memoryview, live: list[Held]) -> None:
+    def spill(view: memoryview, live: list[Held], stamp: int) -> None:
         target = method()
         if target is not None:
-            target(view, live)
+            target(view, live, stamp)
 
     return spill
 
@@ -204,7 +208,9 @@ class LocalStore(KVStore):
         the keys), except a memory tier of an older layout, which is left out with a
         warning (values then go to disk)."""
         super().__init__()
-        for counter in ("disk_full", "spilled", "memory_hits", "disk_hits", "reserve_dry"):
+        for counter in (
+            "disk_full", "spilled", "memory_hits", "disk_hits", "reserve_dry", "written_around"
+        ):  # fmt: skip
             self.stats[counter] = 0
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
@@ -268,6 +274,9 @@ class LocalStore(KVStore):
         self.tiers: tuple[Tier, ...] = (self.memory, self.disk) if self.memory else (self.disk,)
         self.capacity_bytes = self.disk.capacity_bytes
         self.fsync = fsync
+        self._dirty = DirtyGauge()
+        #: this process writes around the memory tier until its disk segment is full
+        self._around = False
         self._sync_counters()
 
     def _use_memory_tier(
@@ -410,7 +419,10 @@ class LocalStore(KVStore):
                 "memory tier dry",
                 "local store %s: %d value(s) not stored: no segment of the memory tier %s "
                 "was ready (its cleaner spills to the disk tier slower than values arrive, "
-                "or live processes write all %d segments; a put never waits for a spill)",
+                "or live processes write all %d segments), and none went around it to the "
+                "disk tier: it had no segment ready either, or the host's dirty pages are "
+                "past the line where the kernel pauses writers (a put never waits for a "
+                "spill, an eviction or a disk write)",
                 self.path, busy, self.memory.path, self.memory.count,
             )  # fmt: skip
         elif busy:
@@ -426,23 +438,69 @@ class LocalStore(KVStore):
         as it was by the index (the first value wins): no lookup before every put, as a
         dump of a key already stored is rare (the scheduler dumps what a lookup missed).
 
-        A value the memory tier had no ready segment for is skipped (False), not written
-        to disk here: the put never waits for a disk write (:mod:`.segment_cleaner`).
-        Only a value larger than a memory segment goes to the disk tier directly."""
+        A value the memory tier had no ready segment for (its reserve ran dry: the store
+        is full and values come faster than the spills) is **written around** it, into
+        a ready segment of the disk tier's (:meth:`_write_around`): one copy into the
+        page cache, where the memory tier costs it two (this put's, then the spill's).
+        Past what that allows, the value is skipped (False, counted): the put never
+        waits for a spill, an eviction or a disk write. A value larger than a memory
+        segment always goes to the disk tier."""
+        memory = self.memory
         try:
-            done = self.tiers[0].put(records)
-            if self.memory is not None and not all(done):
-                limit = self.memory.segment_bytes - RECORD_HEADER
-                again = [i for i, ok in enumerate(done) if not ok and len(records[i][2]) > limit]
-                for i, ok in zip(again, self.disk.put([records[i] for i in again]), strict=True):
+            if memory is None:
+                return self.disk.put(records)
+            tried_around = self._around and self._may_go_around()
+            if tried_around:
+                done = [False] * len(records)
+                self._write_around(records, list(range(len(records))), done)
+                todo = [i for i, ok in enumerate(done) if not ok]
+                if todo:
+                    for i, ok in zip(todo, memory.put([records[i] for i in todo]), strict=True):
+                        done[i] = ok
+            else:
+                done = memory.put(records)  # the common case: the memory tier has room
+            if all(done):
+                return done
+            limit = memory.segment_bytes - RECORD_HEADER
+            big = [i for i, ok in enumerate(done) if not ok and len(records[i][2]) > limit]
+            if big:
+                for i, ok in zip(big, self.disk.put([records[i] for i in big]), strict=True):
                     done[i] = ok
+            todo = [i for i, ok in enumerate(done) if not ok]
+            if todo and not tried_around and self._may_go_around():
+                self._write_around(records, todo, done)
         except (OSError, SegmentLost) as exc:
             raise StoreError(f"local store {self.path!r}: {exc}") from exc
         return done
 
-    def _spill(self, view: memoryview, live: list[Held]) -> None:
+    def _may_go_around(self) -> bool:
+        """A put may go around the memory tier: its disk tier does not fsync (the put
+        would wait for the disk), and the kernel lets pages be dirtied without pausing
+        the writer (:class:`~.dirty_pages.DirtyGauge`)."""
+        return not self.fsync and self._dirty.room()
+
+    def _write_around(self, records: list[Record], todo: list[int], done: list[bool]) -> None:
+        """Put ``records[todo]`` into the disk tier, marking ``done``: only into a segment
+        with room or one the cleaner emptied ahead (never evicting here), when
+        :meth:`_may_go_around`.
+
+        Once a put went around, this process keeps writing around until its disk segment
+        is full, and only then goes back to the memory tier: a segment then holds values
+        put one after the other, so that the cleaner's one recency order over both tiers
+        (:func:`~.segment_cleaner.refill_two`, by segment) is the order they were put in.
+        Alternating per put, each segment would mix older and newer values."""
+        stored = self.disk.put([records[i] for i in todo], evict=False)
+        for i, ok in zip(todo, stored, strict=True):
+            done[i] = ok
+        self._around = self.disk.holds_kept_lease()
+        assert self.memory is not None
+        self.memory.cleaner.wake()  # its process refills the disk tier's reserve too
+        if any(stored):
+            self._bump(written_around=sum(stored))
+
+    def _spill(self, view: memoryview, live: list[Held], stamp: int) -> None:
         """A memory segment's values leaving it go to the disk tier (:meth:`Tier.take_spill`)."""
-        self.disk.take_spill(view, live)
+        self.disk.take_spill(view, live, stamp)
 
     # -- reads ------------------------------------------------------------------------------
 

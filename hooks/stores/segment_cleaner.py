@@ -6,10 +6,13 @@ Two jobs, both things a put used to do (or leave undone) on its own thread:
   ahead of need, like a database's page cleaner: whenever fewer than
   :attr:`Tier.reserve` are ready, the least recently used segment is spilled to the next
   tier in one write (:meth:`Tier.adopt`) and emptied. A put never spills: when the
-  reserve runs dry faster than the disk takes the spills, the put's values are answered
-  False at once (skipped, counted in ``reserve_dry``), which the dump scheduler records as
-  a request not stored. Before, a put needing a segment spilled a whole one first, on the
-  dump thread (docs/CONNECTOR.md#a-full-store-spills-off-the-put-path: the measurements).
+  reserve runs dry faster than the disk takes the spills, the put's values go around the
+  memory tier into segments of the disk tier that the cleaner process also keeps ready
+  (:func:`refill_two`: one recency order over both tiers), and past that are answered
+  False at once (skipped, counted in ``reserve_dry``), which the dump scheduler records
+  as a request not stored. Before, a put needing a segment spilled a whole one first, on
+  the dump thread (docs/CONNECTOR.md#a-full-store-spills-off-the-put-path: the
+  measurements).
 * **Idle leases.** A process keeps the segment it appends to between puts: one index
   transaction per put instead of three, and no segment handed back and forth between
   processes. A lease left unused for :data:`LEASE_IDLE_S` is given back by a thread of
@@ -68,6 +71,7 @@ class Cleaned(Protocol):
     name: str
     path: str
     reserve: int
+    count: int
 
     def spec(self) -> dict[str, Any]: ...
     def release_idle_leases(self, idle_s: float = ...) -> None: ...
@@ -87,6 +91,88 @@ def refill(tier: Cleaned, stopping: threading.Event | None = None) -> None:
     compare-and-set), so the reserve may end a few segments over, never short."""
     while not (stopping is not None and stopping.is_set()) and tier.empty_one_for_reserve():
         pass
+
+
+#: Most empty segments the cleaner keeps ready in the disk tier (:func:`around_reserve`).
+AROUND_MAX = 16
+
+
+def around_reserve(count: int) -> int:
+    """Empty segments the cleaner keeps ready in a disk tier of ``count`` segments for
+    puts written around a dry memory tier (:meth:`LocalStore._put`), which never empty
+    one themselves: as many as a memory tier of that size keeps (:func:`reserve_for`),
+    at most :data:`AROUND_MAX` (a large disk tier needs no more: each writer takes one
+    at a time while the cleaner empties the next). Measured with 1, 2 and 4 writers on
+    a full store (docs/CONNECTOR.md): 2 of 64 left the writers skipping a third of their
+    values, 8 and 16 under a twentieth."""
+    return min(AROUND_MAX, reserve_for(count))
+
+
+#: Most segments one :func:`refill_two` call empties before it looks at ``stopping``.
+_MOST_PER_CALL = 64
+
+
+class Emptied(Cleaned, Protocol):
+    """What :func:`refill_two` uses of the two tiers (:class:`~.tier.Tier`)."""
+
+    def reserve_state(self) -> tuple[int, list[tuple[int, int, Any]]]: ...
+    def empty_segment(self, victim: tuple[int, int, Any], drop: bool = False) -> bool: ...
+
+
+def refill_two(
+    memory: Emptied,
+    disk: Emptied,
+    stopping: threading.Event | None = None,
+    disk_reserve: int | None = None,
+    disk_moved: bool = True,
+) -> bool:
+    """Keep both reserves full, the memory tier's and ``disk_reserve`` segments of the
+    disk tier's (None: :func:`around_reserve`; 0 where no put goes around: a disk tier
+    that fsyncs), in **one recency
+    order over the two tiers**: the segment emptied is always the store's least recently
+    used one, whichever tier holds it (a hit refreshes a disk segment's place too).
+
+    * The memory tier's oldest segment is spilled to the disk tier while that has
+      segments beyond its reserve; once the disk is full, it is spilled only when it is
+      newer than the disk's oldest (which the spill then evicts), and dropped otherwise:
+      a spill there would copy values only to evict newer ones for them.
+    * The disk tier's reserve is refilled by dropping its oldest segment, unless the
+      memory tier holds an older one: that one goes first.
+
+    Without puts written around the memory tier this is the spill of :func:`refill` (the
+    memory tier always holds the newest values). With them, the disk tier holds values
+    newer than the memory tier's oldest, which a spill would otherwise evict first.
+
+    ``disk_moved=False`` (the disk tier's recency stamps did not change since the last
+    call: no segment of it was taken, put into or hit) skips reading the disk tier's
+    segment table unless the memory tier's reserve is short: that read grows with the
+    disk tier, the memory tier's does not. True when it stopped with work left (the
+    next call must read the disk tier again)."""
+    if disk_reserve is None:
+        disk_reserve = around_reserve(disk.count)
+    for _ in range(_MOST_PER_CALL):
+        if stopping is not None and stopping.is_set():
+            return True
+        m_ready, m_victims = memory.reserve_state()
+        if not disk_moved and not (m_ready < memory.reserve and m_victims):
+            return False
+        disk_moved = True  # emptied since: read it again
+        d_ready, d_victims = disk.reserve_state()
+        memory_short = m_ready < memory.reserve and bool(m_victims)
+        disk_short = d_ready < disk_reserve and bool(d_victims or m_victims)
+        if not (memory_short or disk_short):
+            return False
+        oldest_m = m_victims[0] if m_victims else None
+        oldest_d = d_victims[0] if d_victims else None
+        if oldest_m is not None and (oldest_d is None or oldest_m[0] <= oldest_d[0]):
+            # the store's oldest segment is in memory: spilled while the disk has room
+            # beyond its reserve, dropped once the disk would evict newer values for it
+            memory.empty_segment(oldest_m, drop=d_ready <= disk_reserve)
+        elif disk_short and oldest_d is not None:
+            disk.empty_segment(oldest_d, drop=True)
+        elif oldest_m is not None:  # newer than the disk's oldest, which the spill evicts
+            memory.empty_segment(oldest_m)
+    return True
 
 
 def _end(proc: subprocess.Popen[bytes], parent: int) -> None:
@@ -115,16 +201,18 @@ class SegmentCleaner:
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._spec: dict[str, Any] | None = None  # the two tiers, for the process
+        self._below: weakref.ref[Any] | None = None  # the tier spilled into
         self._spawn_failed = False
         self._pid = os.getpid()
         self._start_lock = threading.Lock()
         self._warn = RateLimitedLog(log, 30.0)
 
-    def use_process(self, spill_tier: Cleaned) -> None:
+    def use_process(self, spill_tier: Emptied) -> None:
         """Refill the reserve in a process of its own, which spills into ``spill_tier``."""
         tier = self._tier()
         if tier is not None:
             self._spec = {"memory": tier.spec(), "disk": spill_tier.spec()}
+            self._below = weakref.ref(spill_tier)
 
     @property
     def pid(self) -> int | None:
@@ -225,17 +313,33 @@ class SegmentCleaner:
             tier = self._tier()
             if tier is None:
                 return
+            below = None
             try:
                 tier.release_idle_leases()
                 self._restart_if_dead(tier)
-                if tier.reserve and self._proc is None:
+                below = self._below() if self._below is not None else None
+                if tier.reserve and self._proc is None and below is not None:
+                    # the process's work, on this thread: both tiers, one recency order
+                    reserve = 0 if below.spec()["fsync"] else None
+                    refill_two(tier, below, self._stop, reserve)  # type: ignore[arg-type]
+                elif tier.reserve and self._proc is None:
                     refill(tier, self._stop)
             except (StoreError, OSError) as exc:
                 self._warn.warning(
                     "round", "%s tier %s: cleaner round failed: %s", tier.name, tier.path, exc
                 )
             finally:
-                del tier
+                del tier, below  # a store dropped without close() is not kept alive here
 
 
-__all__ = ["LEASE_IDLE_S", "Cleaned", "SegmentCleaner", "refill", "reserve_for"]
+__all__ = [
+    "AROUND_MAX",
+    "LEASE_IDLE_S",
+    "Cleaned",
+    "Emptied",
+    "SegmentCleaner",
+    "around_reserve",
+    "refill",
+    "refill_two",
+    "reserve_for",
+]

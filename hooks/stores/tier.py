@@ -94,8 +94,9 @@ Record = tuple[bytes, bytes, memoryview]
 #: Where a live value lies in its segment: (key digest, record offset, frame bytes).
 Held = tuple[bytes, int, int]
 #: Takes a segment being emptied: its records from offset 0 to the end of the last live
-#: one, and the live ones among them (:meth:`Tier.adopt` writes them in one copy).
-Spill = Callable[[memoryview, list[Held]], None]
+#: one, the live ones among them (:meth:`Tier.adopt` writes them in one copy), and the
+#: segment's last use (its place in the recency order, which the copy keeps).
+Spill = Callable[[memoryview, list[Held], int], None]
 
 
 def on_tmpfs(path: str) -> bool:
@@ -376,10 +377,15 @@ class Tier:
 
     # -- writes -----------------------------------------------------------------------------
 
-    def put(self, records: Sequence[Record], framed: bool = False) -> list[bool]:
+    def put(
+        self, records: Sequence[Record], framed: bool = False, evict: bool = True
+    ) -> list[bool]:
         """Append ``records`` (digest, key bytes, payload), or with ``framed`` (digest,
         frame header, payload); True per record stored (or already present), False where
-        it is larger than a segment or every segment is being written by live processes."""
+        it is larger than a segment or every segment is being written by live processes.
+        ``evict=False``: only into a segment with room or one ready (never used, or
+        emptied ahead by a cleaner), never emptying one here; False where none is (a put
+        written around the memory tier: :meth:`LocalStore._put`)."""
         limit = self.segment_bytes - RECORD_HEADER
         out = [len(p) <= limit for _d, _h, p in records]
         pending = [i for i, fits in enumerate(out) if fits]
@@ -390,7 +396,7 @@ class Tier:
         try:
             while pending:
                 try:
-                    lease, taken = self._append(lease, records, pending, framed)
+                    lease, taken = self._append(lease, records, pending, framed, evict)
                 except StoreError as exc:
                     lease = None  # _append gave it back
                     cause = exc.__cause__
@@ -445,7 +451,12 @@ class Tier:
             self._seal_quietly(lease)
 
     def _append(
-        self, lease: Lease | None, records: Sequence[Record], pending: list[int], framed: bool
+        self,
+        lease: Lease | None,
+        records: Sequence[Record],
+        pending: list[int],
+        framed: bool,
+        evict: bool = True,
     ) -> tuple[Lease | None, int]:
         """Write and publish as many of ``pending`` as fit in ``lease`` (a new one when it
         has no room): (the lease, records done). StoreError on failure, caused by the
@@ -454,7 +465,7 @@ class Tier:
         if lease is None or lease.end + need > self.segment_bytes:
             if lease is not None:
                 self._seal(lease)
-            lease = self._new_lease(need)
+            lease = self._new_lease(need, evict=evict)
             if lease is None:
                 return None, 0
         self.files.new_batch()
@@ -605,13 +616,15 @@ class Tier:
     def _takeable(self, row: SegRow) -> bool:
         return row.owner == 0 or (row.owner != os.getpid() and not pid_alive(row.owner))
 
-    def _new_lease(self, need: int) -> Lease | None:
+    def _new_lease(self, need: int, evict: bool = True, stamp: int | None = None) -> Lease | None:
         """A segment to append to (kept between puts): the most recently used one that
         nobody writes and that has room, else a never-used or emptied one, else (a tier
         that does not spill) the least recently used one nobody writes, emptied here: an
         index transaction. A spilling tier never empties one here: its cleaner keeps
-        emptied ones ready (:mod:`.segment_cleaner`) and is woken whenever one is taken.
-        None when no segment is ready, or live processes write every segment."""
+        emptied ones ready (:mod:`.segment_cleaner`) and is woken whenever one is taken;
+        nor does one with ``evict=False``. ``stamp``: the recency the lease's segment gets
+        (:meth:`_leased`). None when no segment is ready, or live processes write every
+        segment."""
         me = os.getpid()
         dry = self._dry
         if dry is not None:
@@ -622,7 +635,7 @@ class Tier:
         if last is not None and last.end + need <= self.segment_bytes:
             gen = self.index.claim(last.seg, SegRow(last.gen, last.end, 0), me, empty=False)
             if gen is not None:  # untouched since: no scan of the segment table
-                return self._leased(last.seg, gen, last.end)
+                return self._leased(last.seg, gen, last.end, stamp=stamp)
         for _attempt in range(16):
             rows = self.index.segments()
             free = [
@@ -635,33 +648,36 @@ class Tier:
                 _tick, seg, row = max(room)
                 gen = self.index.claim(seg, row, me, empty=False)
                 if gen is not None:
-                    return self._leased(seg, gen, row.end)
+                    return self._leased(seg, gen, row.end, stamp=stamp)
                 continue
             fresh = next((s for s in range(self.count) if s not in rows), None)
             if fresh is not None:
                 gen = self.index.claim(fresh, None, me, empty=True)
                 if gen is not None:
-                    return self._leased(fresh, gen, 0, ready=True)
+                    return self._leased(fresh, gen, 0, ready=True, stamp=stamp)
                 continue
             ready = [f for f in free if not f[2].end]  # emptied ahead (the reserve)
             if ready:
                 _tick, seg, row = ready[0]
                 gen = self.index.claim(seg, row, me, empty=False)
                 if gen is not None:
-                    return self._leased(seg, gen, 0, ready=True)
+                    return self._leased(seg, gen, 0, ready=True, stamp=stamp)
                 continue
             if not free:
                 break
-            if self.spill is not None:
+            if self.spill is not None or not evict:
                 break  # the reserve ran dry: skipped, never a spill on this thread
             _tick, seg, row = min(free)
             gen = self._empty(seg, row, remove=False)
             if gen is not None:
-                return self._leased(seg, gen, 0)
+                return self._leased(seg, gen, 0, stamp=stamp)
         if self.spill is not None:
             self._dry = (self._shared[0] + self._shared[1], time.monotonic() + DRY_RECHECK_S)
             self.cleaner.wake()
             return self._dry_again()
+        if not evict:
+            with self._lock:
+                self.reserve_dry += 1
         return None
 
     def _dry_again(self) -> None:
@@ -673,7 +689,7 @@ class Tier:
         with self._lock:
             self.reserve_dry += 1
 
-    def adopt(self, src: memoryview, live: Sequence[Held]) -> bool:
+    def adopt(self, src: memoryview, live: Sequence[Held], stamp: int | None = None) -> bool:
         """Take a whole segment of another tier being emptied (a spill): ``src`` is its
         records from offset 0 (the same record layout as here), ``live`` the values among
         them still current there. One write of ``src`` into a segment here, then one
@@ -682,13 +698,15 @@ class Tier:
         written too but never published (dead bytes until the segment is reused). False
         when ``src`` is larger than a segment here or every segment is a live process's
         lease: the caller then spills value by value. StoreError when the write fails
-        (ENOSPC: least recently used segments are emptied and it is tried once more)."""
+        (ENOSPC: least recently used segments are emptied and it is tried once more).
+        ``stamp``: the spilled segment's last use, which the segment here takes
+        (:meth:`_leased`); None: now."""
         n = len(src)
         if n > self.segment_bytes or n & 63:
             return False
         me = os.getpid()
         for attempt in range(2):
-            lease = self._new_lease(n)
+            lease = self._new_lease(n, stamp=stamp)
             if lease is None:
                 return False
             seg, gen, start = lease.seg, lease.gen, lease.end
@@ -711,7 +729,8 @@ class Tier:
                 if not self.index.publish(seg, gen, me, locs, start, start + n):
                     raise StoreError(f"{self.name} tier: lost segment {seg} mid-write")
                 lease.end = start + n
-                self.touch(seg)
+                if stamp is None:
+                    self.touch(seg)
             finally:
                 if lease is not None:
                     self._seal_quietly(lease)
@@ -736,11 +755,11 @@ class Tier:
             "dir_mode": self.dir_mode, "file_mode": self.file_mode,
         }  # fmt: skip
 
-    def take_spill(self, view: memoryview, live: list[Held]) -> None:
+    def take_spill(self, view: memoryview, live: list[Held], stamp: int | None = None) -> None:
         """The :data:`Spill` of the tier above (the memory tier over the disk tier): a
         segment in one write (:meth:`adopt`), or value by value when this tier's segments
         are smaller (a directory created with an older size). The first value wins."""
-        if self.adopt(view, live):
+        if self.adopt(view, live, stamp):
             return
         records: list[Record] = [
             (d, bytes(view[off + FRAME_AT : off + RECORD_HEADER]),
@@ -771,13 +790,38 @@ class Tier:
                     ready += 1
         return ready, sorted(victims)
 
-    def _leased(self, seg: int, gen: int, end: int, ready: bool = False) -> Lease:
+    def _leased(
+        self, seg: int, gen: int, end: int, ready: bool = False, stamp: int | None = None
+    ) -> Lease:
         """A new lease of ``seg``; ``ready``: one taken from the reserve (or never used),
-        so the cleaner is woken to make another (a tier that spills)."""
-        self.touch(seg)
+        so the cleaner is woken to make another (a tier that spills). ``stamp``: the
+        segment's recency from a spilled segment's (:meth:`adopt`), not now: the values
+        keep their place in the recency order across the spill (an empty segment takes
+        it, one holding values keeps the newer of the two)."""
+        if stamp is None:
+            self.touch(seg)
+        else:
+            self._ticks[seg] = stamp if end == 0 else max(stamp, self._ticks[seg])
         if ready and self.reserve:
             self.cleaner.wake()
         return Lease(seg, gen, end)
+
+    def empty_segment(self, victim: tuple[int, int, SegRow], drop: bool = False) -> bool:
+        """Empty one segment of :meth:`_reserve_state`'s victims, spilling its values (or
+        dropping them with ``drop``) and giving it back ready: False when another process
+        took it first (:func:`~.segment_cleaner.refill_two`)."""
+        _tick, seg, row = victim
+        return self._empty(seg, row, remove=False, release=True, drop=drop) is not None
+
+    def reserve_state(self) -> tuple[int, list[tuple[int, int, SegRow]]]:
+        """(segments ready, the segments that could be emptied now as (last use,
+        segment, row), least recently used first): what a cleaner decides from."""
+        return self._reserve_state()
+
+    def holds_kept_lease(self) -> bool:
+        """Whether this process keeps a lease here for its next put (one with room)."""
+        with self._kept_lock:
+            return self._kept_pid == os.getpid() and bool(self._kept)
 
     def empty_one_for_reserve(self) -> bool:
         """One step of the cleaner (:mod:`.segment_cleaner`): when fewer than
@@ -793,14 +837,16 @@ class Tier:
                 return True
         return False
 
-    def _empty(self, seg: int, row: SegRow, remove: bool, release: bool = False) -> int | None:
-        """Take ``seg`` from its (dead or absent) owner, spill its live values, start it
-        over (and remove its file when ``remove``): the new generation, owned by this
-        process (given back again when ``remove`` or ``release``), or None when another
-        process took it."""
+    def _empty(
+        self, seg: int, row: SegRow, remove: bool, release: bool = False, drop: bool = False
+    ) -> int | None:
+        """Take ``seg`` from its (dead or absent) owner, spill its live values (drop them
+        with ``drop``: the recency order evicts them), start it over (and remove its file
+        when ``remove``): the new generation, owned by this process (given back again
+        when ``remove`` or ``release``), or None when another process took it."""
         me = os.getpid()
         counts = (0, 0)  # (spilled, dropped) by the spill
-        if row.end and self.spill is not None:
+        if row.end and self.spill is not None and not drop:
             # held while its values are copied out, so that no writer appends meanwhile
             if self.index.claim(seg, row, me, empty=False) is None:
                 return None
@@ -812,7 +858,9 @@ class Tier:
         if emptied is None:
             return None
         gen, dropped = emptied
-        if self.spill is None and dropped:
+        if drop:  # by a cleaner: counted where every process's stats see it
+            counts = (0, dropped)
+        elif self.spill is None and dropped:
             with self._lock:
                 self._dropped += dropped
         if remove or release:
@@ -834,7 +882,7 @@ class Tier:
             view = self.files.mapping(seg, end)
             if view is None:
                 view = memoryview(self.files.read(seg, 0, end))
-            self.spill(view[:end], live)
+            self.spill(view[:end], live, self._ticks[seg])
             return len(live), 0
         except (StoreError, CorruptValue, OSError) as exc:
             self._warn.warning(
