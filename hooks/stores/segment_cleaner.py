@@ -128,9 +128,9 @@ def refill_two(
 ) -> bool:
     """Keep both reserves full, the memory tier's and ``disk_reserve`` segments of the
     disk tier's (None: :func:`around_reserve`; 0 where no put goes around: a disk tier
-    that fsyncs), in **one recency
-    order over the two tiers**: the segment emptied is always the store's least recently
-    used one, whichever tier holds it (a hit refreshes a disk segment's place too).
+    that fsyncs), in **one recency order over the two tiers**: the segment emptied is
+    always the store's least recently used one, whichever tier holds it (a hit
+    refreshes a disk segment's place too).
 
     * The memory tier's oldest segment is spilled to the disk tier while that has
       segments beyond its reserve; once the disk is full, it is spilled only when it is
