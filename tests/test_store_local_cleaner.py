@@ -228,11 +228,11 @@ def test_a_spill_is_counted_once_its_segment_is_ready(tmp_path: Path, monkeypatc
     real = memory._count_shared
 
     def counted(spilled: int, dropped: int) -> None:
-        seen.append((memory._reserve_state()[0], spilled))
+        seen.append((memory.reserve_state()[0], spilled))
         real(spilled, dropped)
 
     monkeypatch.setattr(memory, "_count_shared", counted)
-    before = memory._reserve_state()[0]
+    before = memory.reserve_state()[0]
     assert memory.empty_one_for_reserve()
     assert seen == [(before + 1, PER_SEG)], f"ready segments when counted: {seen}, {before=}"
     assert s.put_many([("next", value_of("next"))]) == [True]

@@ -773,12 +773,13 @@ class Tier:
         """Whether the reserve lacks segments that could be emptied now (tools, tests)."""
         if not self.reserve:
             return False
-        ready, victims = self._reserve_state()
+        ready, victims = self.reserve_state()
         return ready < self.reserve and bool(victims)
 
-    def _reserve_state(self) -> tuple[int, list[tuple[int, int, SegRow]]]:
+    def reserve_state(self) -> tuple[int, list[tuple[int, int, SegRow]]]:
         """(segments ready: never used, or emptied and nobody's; the segments that could be
-        emptied now, as (last use, segment, row), least recently used first)."""
+        emptied now, as (last use, segment, row), least recently used first): what a
+        cleaner decides from."""
         rows = self.index.segments()
         ready = self.count - sum(1 for s in rows if s < self.count)
         victims = []
@@ -807,16 +808,11 @@ class Tier:
         return Lease(seg, gen, end)
 
     def empty_segment(self, victim: tuple[int, int, SegRow], drop: bool = False) -> bool:
-        """Empty one segment of :meth:`_reserve_state`'s victims, spilling its values (or
+        """Empty one segment of :meth:`reserve_state`'s victims, spilling its values (or
         dropping them with ``drop``) and giving it back ready: False when another process
         took it first (:func:`~.segment_cleaner.refill_two`)."""
         _tick, seg, row = victim
         return self._empty(seg, row, remove=False, release=True, drop=drop) is not None
-
-    def reserve_state(self) -> tuple[int, list[tuple[int, int, SegRow]]]:
-        """(segments ready, the segments that could be emptied now as (last use,
-        segment, row), least recently used first): what a cleaner decides from."""
-        return self._reserve_state()
 
     def holds_kept_lease(self) -> bool:
         """Whether this process keeps a lease here for its next put (one with room)."""
@@ -829,13 +825,10 @@ class Tier:
         empty the least recently used one nobody writes, and give it back ready. True when
         it emptied one (call again), False when the reserve is full or nothing can be
         emptied now."""
-        ready, victims = self._reserve_state()
+        ready, victims = self.reserve_state()
         if ready >= self.reserve:
             return False
-        for _tick, seg, row in victims:
-            if self._empty(seg, row, remove=False, release=True) is not None:
-                return True
-        return False
+        return any(self.empty_segment(victim) for victim in victims)
 
     def _empty(
         self, seg: int, row: SegRow, remove: bool, release: bool = False, drop: bool = False
