@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ucm_patch.hooks.stores import segment_cleaner, segment_files
 from ucm_patch.hooks.stores import tier as tier_module
-from ucm_patch.hooks.stores.cleaner_process import SPILL_WRITE_NICE, SpillWriter
+from ucm_patch.hooks.stores.cleaner_process import SPILL_WRITE_NICE, SpillThread, SpillWriter
 from ucm_patch.hooks.stores.local import LocalStore
 from ucm_patch.hooks.stores.segment_cleaner import SegmentCleaner
 from ucm_patch.hooks.stores.segment_index import SegmentIndex, pid_alive
@@ -280,12 +280,97 @@ def test_the_cleaner_empties_the_stores_oldest_segment_whichever_tier_holds_it()
     segment_cleaner.refill_two(memory, disk, disk_reserve=around)
     assert memory.emptied == [(5, True), (6, True)], memory.emptied
     assert disk.emptied == [(7, True), (8, True)], disk.emptied
+    # the disk's reserve short with nothing of its own to empty (every segment a live
+    # writer's): memory segments are not dropped for it, which would not refill it
+    memory, disk = _FakeTier(1, 1, [1, 2, 3]), _FakeTier(0, 0, [])
+    segment_cleaner.refill_two(memory, disk, disk_reserve=around)
+    assert memory.emptied == [] and disk.emptied == []
     # both reserves full: nothing emptied
     memory, disk = _FakeTier(1, 1, [1]), _FakeTier(0, around, [2])
     segment_cleaner.refill_two(memory, disk, disk_reserve=around)
     assert memory.emptied == [] and disk.emptied == []
     # by default, the reserve a disk tier of its size keeps: an eighth, at most 16
     assert [segment_cleaner.around_reserve(n) for n in (8, 64, 1000)] == [2, 8, 16]
+
+
+def test_while_a_spill_runs_the_cleaner_keeps_the_disk_reserve_full() -> None:
+    """Spills started on the cleaner process's spill thread (``start_spill``): refill_two
+    starts one, and while it runs, returns with work left instead of waiting, after
+    refilling the disk tier's reserve by drops (which puts written around a dry memory
+    tier take from); a memory segment older than the disk's oldest is still dropped
+    first. Once the spill is done, the next call starts the next one."""
+    around = 2
+    memory, disk = _FakeTier(2, 0, [40, 50, 60]), _FakeTier(0, around, [10, 20, 30])
+    started: list[int] = []
+    running = [False]
+
+    def start(victim: tuple) -> bool:  # type: ignore[type-arg]
+        if running[0]:
+            return False
+        running[0] = True
+        memory.victims.remove(victim)  # claimed by the spill: no longer a victim
+        started.append(victim[0])
+        return True
+
+    # the memory tier short, its oldest newer than the disk's oldest: a spill starts
+    assert segment_cleaner.refill_two(memory, disk, None, around, True, start) is True
+    assert started == [40] and memory.emptied == [] and disk.emptied == []
+    # it runs; writers took the disk's reserve: refilled by drops, oldest first, no wait
+    disk.ready = 0
+    assert segment_cleaner.refill_two(memory, disk, None, around, True, start) is True
+    assert disk.emptied == [(10, True), (20, True)] and started == [40]
+    # a memory segment older than the disk's oldest: dropped, even while a spill runs;
+    # with the disk at its reserve, the next oldest is dropped too (the recency order)
+    memory.victims.append((5, 9, None))
+    disk.ready = 0
+    segment_cleaner.refill_two(memory, disk, None, around, True, start)
+    assert memory.emptied == [(5, True), (50, True)] and disk.emptied[-1] == (30, True)
+    assert started == [40], "a second spill started beside the first"
+    # the spill done: the next one starts
+    running[0] = False
+    memory.ready, disk.ready = 0, around
+    disk.victims.append((45, 3, None))
+    segment_cleaner.refill_two(memory, disk, None, around, True, start)
+    assert started == [40, 60], started
+
+
+def test_the_spill_thread_runs_one_spill_at_a_time_and_close_waits_for_it() -> None:
+    """SpillThread: a spill runs on its own thread (the cleaner's keeps going); a second
+    is refused while one runs; an error is logged, not raised into the cleaner's loop;
+    close waits for the running spill (its segment is never left half spilled)."""
+
+    class Memory:
+        path = "memory"
+
+        def __init__(self) -> None:
+            self.go, self.done, self.threads = threading.Event(), [], []
+
+        def empty_segment(self, victim: tuple) -> bool:  # type: ignore[type-arg]
+            self.threads.append(threading.get_ident())
+            assert self.go.wait(30)
+            if victim[1] < 0:
+                raise OSError(5, "broken disk")
+            self.done.append(victim[1])
+            return True
+
+    warned: list[str] = []
+
+    class Warn:
+        def warning(self, key: str, *args: object) -> None:
+            warned.append(key)
+
+    memory = Memory()
+    spills = SpillThread(memory, Warn())  # type: ignore[arg-type]
+    assert spills.start((1, 7, None)) is True
+    assert spills.start((2, 8, None)) is False, "a second spill started beside the first"
+    memory.go.set()
+    deadline = time.monotonic() + 30
+    while not spills.start((3, -1, None)):
+        assert time.monotonic() < deadline, "the first spill never ended"
+        time.sleep(0.001)
+    spills.close()
+    assert memory.done == [7] and warned == ["spill"]
+    assert threading.get_ident() not in memory.threads
 
 
 def test_recency_holds_across_tiers_with_puts_written_around(tmp_path: Path, monkeypatch) -> None:

@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
@@ -125,6 +126,7 @@ def refill_two(
     stopping: threading.Event | None = None,
     disk_reserve: int | None = None,
     disk_moved: bool = True,
+    start_spill: Callable[[tuple[int, int, Any]], bool] | None = None,
 ) -> bool:
     """Keep both reserves full, the memory tier's and ``disk_reserve`` segments of the
     disk tier's (None: :func:`around_reserve`; 0 where no put goes around: a disk tier
@@ -147,7 +149,13 @@ def refill_two(
     call: no segment of it was taken, put into or hit) skips reading the disk tier's
     segment table unless the memory tier's reserve is short: that read grows with the
     disk tier, the memory tier's does not. True when it stopped with work left (the
-    next call must read the disk tier again)."""
+    next call must read the disk tier again).
+
+    ``start_spill``: spills run elsewhere (the cleaner process's spill thread), started
+    by it: False when one is still running, so that this call returns with work left
+    and its caller keeps refilling the disk tier's reserve by drops meanwhile (a spill
+    copies a whole segment at a low priority; puts written around a dry memory tier
+    take from that reserve). None: spilled here."""
     if disk_reserve is None:
         disk_reserve = around_reserve(disk.count)
     for _ in range(_MOST_PER_CALL):
@@ -159,7 +167,8 @@ def refill_two(
         disk_moved = True  # emptied since: read it again
         d_ready, d_victims = disk.reserve_state()
         memory_short = m_ready < memory.reserve and bool(m_victims)
-        disk_short = d_ready < disk_reserve and bool(d_victims or m_victims)
+        # short only with a segment of its own to empty: a memory segment dropped gives it none
+        disk_short = d_ready < disk_reserve and bool(d_victims)
         if not (memory_short or disk_short):
             return False
         oldest_m = m_victims[0] if m_victims else None
@@ -167,12 +176,28 @@ def refill_two(
         if oldest_m is not None and (oldest_d is None or oldest_m[0] <= oldest_d[0]):
             # the store's oldest segment is in memory: spilled while the disk has room
             # beyond its reserve, dropped once the disk would evict newer values for it
-            memory.empty_segment(oldest_m, drop=d_ready <= disk_reserve)
+            if d_ready <= disk_reserve:
+                memory.empty_segment(oldest_m, drop=True)
+            elif not _spill(memory, oldest_m, start_spill):
+                return True
         elif disk_short and oldest_d is not None:
             disk.empty_segment(oldest_d, drop=True)
         elif oldest_m is not None:  # newer than the disk's oldest, which the spill evicts
-            memory.empty_segment(oldest_m)
+            if not _spill(memory, oldest_m, start_spill):
+                return True
     return True
+
+
+def _spill(
+    memory: Emptied,
+    victim: tuple[int, int, Any],
+    start_spill: Callable[[tuple[int, int, Any]], bool] | None,
+) -> bool:
+    """Spill ``victim`` here, or start its spill elsewhere: False when one still runs."""
+    if start_spill is None:
+        memory.empty_segment(victim)
+        return True
+    return start_spill(victim)
 
 
 def _end(proc: subprocess.Popen[bytes], parent: int) -> None:
