@@ -21,9 +21,10 @@ that, with nothing of vLLM:
 * the floor: a memcpy of the same bytes and an XXH3 of them, side by side on two threads
   (the work a load must do), in the same process.
 
-The same for dumps: a fresh process puts rows (one ``put_many`` of a row's values, as the
-dump scheduler submits it, from buffers in memory) on the connector's default dump threads
-into a store with room, fresh keys each pass (a third of ``--values`` per pass, so that
+The same for dumps: a fresh process submits rows (a row's values, from buffers in memory)
+to the dump scheduler on the forward's thread, as the connector's ``save_kv_layer`` does,
+with the connector's default dump threads, into a store with room, and waits for them as
+for a finished request; fresh keys each pass (a third of ``--values`` per pass, so that
 one memory tier holds them all).
 
 Reported: GB/s alone and beside the Python thread, host CPU-seconds per GB loaded (the
@@ -257,35 +258,62 @@ def read(
     return out
 
 
-def _dump_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]],
-              data: list[memoryview], tag: str) -> dict[str, float]:  # fmt: skip
-    """Every row put by the dump threads, one ``put_many`` per row (as the dump scheduler
-    submits a row's values), fresh keys: wall seconds, the threads' CPU seconds and
-    voluntary context switches."""
-    usage: list[tuple[float, int]] = []
-    lock = threading.Lock()
+def _task_usage(tids: list[int]) -> tuple[float, int]:
+    """CPU seconds and voluntary context switches of this process's threads ``tids`` so
+    far (``/proc/self/task``: the dump scheduler's threads are not ours to wrap)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu, waits = 0.0, 0
+    for tid in tids:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        cpu += (int(fields[11]) + int(fields[12])) / tick
+        with open(f"/proc/self/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    waits += int(line.split()[1])
+    return cpu, waits
 
-    def dump_row(keys: list[str]) -> bool:
-        before = resource.getrusage(resource.RUSAGE_THREAD)
-        items = [(f"{tag}/{k}", data[i % len(data)]) for i, k in enumerate(keys)]
-        ok = all(store.put_many(items))
-        with lock:
-            usage.append(_used_since(before))
-        return ok
+
+def _dump_all(sched: Any, client: Any, store: Any, rows: list[list[str]],
+              data: list[memoryview], tag: str,
+              forward: _Spinner | None = None) -> dict[str, float]:  # fmt: skip
+    """A step's rows dumped as the connector dumps them: submitted to the dump scheduler
+    one row at a time on the forward's thread (``save_kv_layer``: ``forward`` when one
+    runs), host data (no event to wait for), then waited for as a finished request is
+    (``get_finished``, blocking). Fresh keys: wall seconds, the dump threads' CPU seconds
+    and voluntary context switches."""
+    tids = [t.native_id for t in threading.enumerate() if t.name.startswith("ucm-proxy-dump")]
+    before = _task_usage([t for t in tids if t is not None])
+
+    def submit() -> None:
+        batch = client.open_batch([tag], store)
+        for r, keys in enumerate(rows):
+            values = [data[i % len(data)] for i in range(len(keys))]
+            if not sched.submit(batch, r, [f"{tag}/{k}" for k in keys], values):
+                raise SystemExit("bench_load_proxy: a dump was skipped (no task slot)")
+        sched.seal(batch)
 
     t0 = time.perf_counter()
-    ok = all(pool.map(dump_row, rows))
+    if forward is not None:
+        forward.call(submit)
+    else:
+        submit()
+    done = client.get_finished([tag], timeout=120)
     wall = time.perf_counter() - t0
-    if not ok:
-        raise SystemExit("bench_load_proxy: a dump was skipped (the memory tier has no room)")
-    return {"wall_s": wall, "cpu_s": sum(u[0] for u in usage), "waits": sum(u[1] for u in usage)}
+    if done.sending != {tag} or done.failed:
+        raise SystemExit("bench_load_proxy: a dump failed or was skipped (the store is full)")
+    cpu, waits = _task_usage([t for t in tids if t is not None])
+    return {"wall_s": wall, "cpu_s": cpu - before[0], "waits": waits - before[1]}
 
 
 def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -> dict[str, Any]:
-    """The dump process: a fresh process puts ``values`` values in rows into a store with
-    room for every pass (the first dump, ``repeat`` steady ones, two beside a Python
-    thread), fresh keys each pass (a store in use takes new values into segments it
-    already has)."""
+    """The dump process: a fresh process dumps ``values`` values in rows through the dump
+    scheduler, as the connector does, into a store with room for every pass (the first
+    dump, ``repeat`` steady ones, two beside a Python thread), fresh keys each pass (a
+    store in use takes new values into segments it already has)."""
+    from ucm_patch.hooks.device import CpuDevice
+    from ucm_patch.hooks.dump.scheduler import DumpScheduler
+
     passes = 1 + repeat + 2
     store = _store(path, passes * values * value_bytes, value_bytes)
     warmer = getattr(store.memory, "_warmer", None)
@@ -296,12 +324,19 @@ def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -
     data = [memoryview(bytearray(os.urandom(value_bytes))) for _ in range(8)]  # staging
     out: dict[str, Any] = {"values": values, "value_bytes": value_bytes, "threads": threads,
                            "switch_interval_s": sys.getswitchinterval()}  # fmt: skip
-    with ThreadPoolExecutor(threads, thread_name_prefix="ucm-dump") as pool:
-        out["first"] = _dump_all(store, pool, rows, data, "first")
-        out["alone"] = [_dump_all(store, pool, rows, data, f"alone{i}") for i in range(repeat)]
-        with _Spinner():
-            out["beside_python"] = [_dump_all(store, pool, rows, data, f"beside{i}")
-                                    for i in range(2)]  # fmt: skip
+    sched = DumpScheduler(CpuDevice(), workers=threads, blocking_finish=True,
+                          name="ucm-proxy-dump")  # fmt: skip
+    client = sched.client("proxy")
+    try:
+        out["first"] = _dump_all(sched, client, store, rows, data, "first")
+        out["alone"] = [_dump_all(sched, client, store, rows, data, f"alone{i}")
+                        for i in range(repeat)]  # fmt: skip
+        with _Spinner() as forward:
+            out["beside_python"] = [
+                _dump_all(sched, client, store, rows, data, f"beside{i}", forward) for i in range(2)
+            ]
+    finally:
+        sched.shutdown()
     out["floor_s"] = _floor(values * value_bytes)
     store.close()
     return out

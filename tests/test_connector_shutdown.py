@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -69,11 +70,14 @@ def test_shutdown_flush_is_bounded_and_counts_and_logs_what_is_lost(
         took = time.monotonic() - t0
     assert stopped is False  # two workers stuck in the store
     assert BOUND_S <= took < BOUND_S + MARGIN_S
-    assert sched.lost_dumps == sched.metrics.dumps_lost == len(keys)  # 2 running + 3 cancelled
-    assert sched.metrics.dumps_cancelled == len(keys) - 2
+    assert sched.lost_dumps == sched.metrics.dumps_lost == len(keys)  # running + cancelled
+    # each worker took its share of the rows queued (one put for all): at least one each
+    cancelled = sched.metrics.dumps_cancelled
+    running = len(keys) - cancelled
+    assert running >= 2, (running, cancelled)
     lines = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
     assert len(lines) == 1, lines
-    assert f"{len(keys)} dump(s) lost (2 still running, 3 cancelled)" in lines[0]
+    assert f"{len(keys)} dump(s) lost ({running} still running, {cancelled} cancelled)" in lines[0]
     assert "req-hung" in lines[0]
 
 
@@ -146,7 +150,10 @@ def test_exit_with_a_hung_store_waits_the_flush_bound_and_logs_the_loss(
     assert teardown_s < healthy_teardown_s + MARGIN_S, (out, healthy_teardown_s)
     lost = [line for line in str(out["stderr"]).splitlines() if "lost" in line]
     assert len(lost) == 1, out["stderr"]
-    assert "3 dump(s) lost (1 still running, 2 cancelled)" in lost[0]
+    # the worker took the rows queued behind the first with it (one put for all)
+    counts = re.search(r"3 dump\(s\) lost \((\d) still running, (\d) cancelled\)", lost[0])
+    assert counts is not None and sum(map(int, counts.groups())) == 3, lost[0]
+    assert int(counts.group(1)) >= 1, lost[0]
     assert REQUEST in lost[0]
 
 
