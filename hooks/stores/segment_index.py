@@ -440,10 +440,10 @@ class SegmentIndex:
 
     @_guarded
     def empty(self, seg: int, expect: SegRow, owner: int) -> tuple[int, int] | None:
-        """Start ``seg`` over for ``owner`` if its row is still ``expect``: generation + 1,
-        nothing published, and the entries that pointed into it deleted, all in one
-        transaction. (the new generation, entries deleted), or None when someone else
-        took it first."""
+        """Start ``seg`` over for ``owner`` (0: nobody's, ready for any writer) if its row
+        is still ``expect``: generation + 1, nothing published, and the entries that
+        pointed into it deleted, all in one transaction. (the new generation, entries
+        deleted), or None when someone else took it first."""
         self._check_fork()
         key = _SEG_KEY.pack(seg)
         with self._env.begin(write=True) as txn:

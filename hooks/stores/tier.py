@@ -847,7 +847,10 @@ class Tier:
             alive = self.index.held(seg, row.gen)
             if alive:
                 counts = self._spill(seg, alive)
-        emptied = self.index.empty(seg, row, me)
+        # given back (owner 0) in the same transaction that empties it when asked: a
+        # cleaner refilling a reserve beside several writers spends one transaction per
+        # segment, not two
+        emptied = self.index.empty(seg, row, 0 if remove or release else me)
         if emptied is None:
             return None
         gen, dropped = emptied
@@ -856,8 +859,6 @@ class Tier:
         elif self.spill is None and dropped:
             with self._lock:
                 self._dropped += dropped
-        if remove or release:
-            self.index.release(seg, gen, me)
         if any(counts):  # after the release: writers read a change as "a segment is ready"
             self._count_shared(*counts)
         if remove:
