@@ -172,3 +172,51 @@ def test_each_mamba_group_dumps_its_state_at_a_shared_boundary(store: Store) -> 
     states = sorted((g, bid) for g, (bid,), _h in md.dumps["r"] if g < 3)
     assert states == [(0, 3), (1, 4), (2, 5)]
     assert {h for g, _b, h in md.dumps["r"] if g < 3} == {req.block_hashes[1].hex()}
+
+
+def test_without_state_offers_a_state_is_found_by_position_and_its_hash(store: Store) -> None:
+    """vLLM 0.26 - 0.28 offer no states (no ``kv_connector_block_state``): a step ending
+    on a block boundary E wrote each mamba group's state into its block E // size - 1,
+    which is dumped when that block's hash is the one vLLM's own prefix cache gives the
+    prefix's state; a block whose hash is not (reused meanwhile, or no state there) is
+    counted and never dumped, and a step ending inside a block offers none."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from ucm_patch.connector.config import parse_connector_config
+    from ucm_patch.connector.layout import ATTENTION, MAMBA, GroupInfo, KVLayout
+    from ucm_patch.connector.rows import RowMap
+    from ucm_patch.connector.scheduler_side import SchedulerSide
+
+    names = [["g.l0", "g.l1"], ["a.l0", "a.l1"]]
+    groups = [GroupInfo(0, MAMBA, 8, 64, tuple(names[0]), "Spec"),
+              GroupInfo(1, ATTENTION, 8, 64, tuple(names[1]), "Spec")]  # fmt: skip
+    layout = KVLayout(groups, RowMap([[n[i] for n in names] for i in range(2)]), 8, 1, {})
+    side = SchedulerSide(layout, parse_connector_config({}), store, can_load=True, can_dump=True)
+    pool = BlockPool(32, enable_caching=True, hash_block_size=8)
+    side.bind_gpu_block_pool(pool)
+    before = connector.stats()["state_offer_mismatches"]
+
+    def step(rid: str, tables: tuple[list[int], ...], n: int) -> list:  # type: ignore[type-arg]
+        req = Req(rid, TOKENS, block_size=8)
+        side.update_state_after_alloc(req, blocks(*tables), 0)
+        md = side.build_connector_meta(so([new_req(rid, tables, 0)], scheduled={rid: n}))
+        return md.dumps.get(rid, [])
+
+    def cache(bid: int, block_hash: bytes) -> None:  # as the scheduler's cache_blocks does
+        pool.blocks[bid].set_block_hash(make_block_hash_with_group_id(block_hash, 0))
+
+    hashes = Req("x", TOKENS, block_size=8).block_hashes
+    cache(3, hashes[1])
+    # "a" ends at 16: the state after token 16 is in GDN block index 1, id 3, hash checked
+    entries = step("a", ([0, 3], [5, 6]), 16)
+    assert sorted((g, bids) for g, bids, _h in entries) == [(0, (3,)), (1, (5,)), (1, (6,))]
+    assert [h for g, _b, h in entries if g == 0] == [hashes[1].hex()]
+    # "b": its GDN block carries another prefix's hash (reused): counted, not dumped
+    cache(4, hashes[0])
+    assert [g for g, _b, _h in step("b", ([0, 4], [7, 8]), 16)] == [1, 1]
+    assert connector.stats()["state_offer_mismatches"] - before == 1
+    # "c" ends inside a block (17 tokens, one step): no state offered for token 17
+    cache(9, hashes[1])
+    assert [g for g, _b, _h in step("c", ([0, 9, 10], [11, 12, 13]), 17)] == [1, 1]
+    assert connector.stats()["state_offer_mismatches"] - before == 1

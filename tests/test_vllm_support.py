@@ -7,6 +7,7 @@ here and for real by the runtime matrix (scripts/matrix_child.py, make test's 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -43,6 +44,56 @@ def test_random_hash_seed_is_named_with_its_fix(monkeypatch, seed, utils, algo, 
         assert reason is None
 
 
+@dataclasses.dataclass
+class _OutputWithoutOffers:  # a SchedulerOutput before vLLM 0.29
+    num_scheduled_tokens: dict
+
+
+SPLIT_SKIPPED = "if self.need_mamba_block_aligned_split and not load_kv_async:"
+ZEROING_SKIPPED = "self._skip_zero_block_ids: set[int] = set()"
+
+
+@pytest.mark.parametrize(
+    ("source", "missing"),
+    [
+        (ZEROING_SKIPPED + "\n" + SPLIT_SKIPPED, None),  # 0.26 - 0.28
+        (SPLIT_SKIPPED, "_skip_zero_block_ids"),  # 0.23 - 0.25: the zeroing races the load
+        ("if self.need_mamba_block_aligned_split:", "_skip_zero_block_ids"),  # 0.22
+    ],
+)
+def test_without_offers_hybrid_hits_need_what_finding_states_by_position_needs(source, missing):
+    """Without ``kv_connector_block_state`` the states are found by position only where
+    the scheduler's own source lets an async load past the align split and out of the
+    step's zeroing; elsewhere the reason names what is missing."""
+    reason = vllm_support.hybrid_unsupported_reason(
+        None, source, _OutputWithoutOffers, hash_block_size=64, state_block_size=64
+    )
+    if missing is None:
+        assert reason is None
+    else:
+        assert reason is not None and "need vLLM >= 0.26" in reason and missing in reason
+        assert ("not load_kv_async" in reason) == (SPLIT_SKIPPED not in source)
+
+
+def test_without_offers_speculative_decoding_and_finer_hash_blocks_are_refused():
+    """By design, where a state's block moves (speculative decoding) or is copied into a
+    block of its own (a hash block finer than the mamba block: prefix_match_unit), a
+    position cannot find it: refused, saying which. With offers (0.29+), both are fine."""
+    source = ZEROING_SKIPPED + "\n" + SPLIT_SKIPPED
+    spec = SimpleNamespace(speculative_config=object())
+    reason = vllm_support.hybrid_unsupported_reason(spec, source, _OutputWithoutOffers, 64, 64)
+    assert reason is not None and "speculative decoding" in reason
+    reason = vllm_support.hybrid_unsupported_reason(None, source, _OutputWithoutOffers, 16, 64)
+    assert reason is not None and "prefix_match_unit" in reason and "16" in reason
+    assert vllm_support.hybrid_unsupported_reason(spec, source, _OutputWithoutOffers, 64, 64)
+    assert (
+        vllm_support.hybrid_unsupported_reason(
+            SimpleNamespace(speculative_config=None), source, _OutputWithoutOffers, 64, 64
+        )
+        is None
+    )
+
+
 @pytest.mark.vllm
 def test_installed_vllm_offers_boundary_states():
     assert vllm_support.hybrid_unsupported_reason() is None
@@ -56,7 +107,7 @@ def test_vllm_without_state_offers_leaves_a_hybrid_model_idle(monkeypatch, caplo
     from ucm_patch.connector import kv_connector
 
     reason = "hybrid prefix hits need vLLM >= 0.29: test"
-    monkeypatch.setattr(vllm_support, "hybrid_unsupported_reason", lambda: reason)
+    monkeypatch.setattr(vllm_support, "hybrid_unsupported_reason", lambda *a, **k: reason)
     seen = {}
 
     class Side:
@@ -65,7 +116,8 @@ def test_vllm_without_state_offers_leaves_a_hybrid_model_idle(monkeypatch, caplo
 
     monkeypatch.setattr("ucm_patch.connector.scheduler_side.SchedulerSide", Side)
     layout = SimpleNamespace(
-        mamba_groups=(object(),),
+        mamba_groups=(SimpleNamespace(block_size=64),),
+        hash_block_size=64,
         tp_size=1,
         fingerprint="f",
         rows=(),

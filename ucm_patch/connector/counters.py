@@ -29,6 +29,7 @@ COUNTERS = (
     "dump_steps",
     "dump_blocks",
     "dump_blocks_already_stored",
+    "state_offer_mismatches",
     "dump_pages",
     "dump_pages_eager",
     "dump_pages_out_of_range",

@@ -135,7 +135,11 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
             # Said once, at start (connector/vllm_support.py): a vLLM that cannot give a
             # hybrid model hits leaves the connector idle for it; random hash seeds keep
             # every process's keys apart.
-            hybrid_refused = self.layout.mamba_groups and vllm_support.hybrid_unsupported_reason()
+            hybrid_refused = self.layout.mamba_groups and vllm_support.hybrid_unsupported_reason(
+                vllm_config,
+                hash_block_size=self.layout.hash_block_size,
+                state_block_size=max(g.block_size for g in self.layout.mamba_groups),
+            )
             if hybrid_refused:
                 logger.warning("UCMPatchConnector: %s.", hybrid_refused)
                 can_dump = can_load = False

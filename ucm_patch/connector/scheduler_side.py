@@ -27,9 +27,11 @@ turn that into lookup, load, fail, forever.
 (``KVLayout.chunk_blocks`` blocks, one stored value) whose last block becomes full in this
 step (spec-decode draft positions excluded) and has a content hash; for
 Mamba/GDN groups the exact boundary-state blocks vLLM offers in
-``scheduler_output.kv_connector_block_state`` (vLLM 0.32; such states are not positional,
-so without that offer no state is dumped and hybrid prefixes never hit). Blocks vLLM's own
-prefix cache served are skipped as far as the store already holds them.
+``scheduler_output.kv_connector_block_state`` (vLLM >= 0.29), or, on 0.26 - 0.28, which
+offer none, the block a step ending on a boundary wrote, confirmed by its hash
+(:meth:`SchedulerSide._boundary_offers`; ``vllm_support`` refuses the releases and
+settings where a position cannot find it). Blocks vLLM's own prefix cache served are
+skipped as far as the store already holds them.
 
 **Delayed free**: ``request_finished`` / ``request_finished_all_groups`` return
 True exactly for requests that had dump entries in some step's metadata and were not
@@ -333,6 +335,8 @@ class SchedulerSide:
         for i, rid in enumerate(cached.req_ids):
             computed[rid] = cached.num_computed_tokens[i]
         spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
+        # no offers from vLLM (< 0.29): the states this step writes, found by position
+        positional = block_state is None and bool(self.layout.mamba_groups)
         for rid, n in so.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
             if st is None:
@@ -344,6 +348,8 @@ class SchedulerSide:
             self._rewind(st, start)
             end = start + n - len(spec.get(rid, ()))
             entries = self._attention_dumps(st, ids, end)
+            if positional:
+                entries += self._state_dumps(st, self._boundary_offers(st, ids, end))
             if entries:
                 md.dumps[rid] = entries
         if block_state is not None and self.layout.mamba_groups:
@@ -408,6 +414,42 @@ class SchedulerSide:
                 continue
             out.append((gid, (bid,), hash_hex(hashes[hidx])))
             done[gid] = boundary
+        return out
+
+    def _boundary_offers(
+        self, st: _Req, ids: tuple[list[int], ...], end: int
+    ) -> list[tuple[int, int, int]]:
+        """The boundary states a step ending at ``end`` writes, as vLLM 0.29 offers them
+        (``boundary_state_offloads``: group, block, boundary), for a vLLM without the
+        offer (0.26 to 0.28; :func:`~.vllm_support.hybrid_unsupported_reason` refuses
+        the rest). In mamba "align" mode a step ending on a block boundary E writes the
+        state into the group's block ``E // block_size - 1``, which the scheduler hashed
+        in the same pass (``cache_blocks``) and the next step copies into a new running
+        block. The block is taken only when its hash is exactly the one vLLM's own prefix
+        cache gives that prefix's state, ``make_block_hash_with_group_id(block hash at
+        E, group)``: a block reused meanwhile, or a state that is not there, is counted
+        (``state_offer_mismatches``) and never dumped. Needs the block pool
+        (``bind_gpu_block_pool``); without it, nothing is offered."""
+        pool = self._pool
+        if pool is None:
+            return []
+        layout = self.layout
+        hashes = st.request.block_hashes
+        out: list[tuple[int, int, int]] = []
+        for g in layout.mamba_groups:
+            size = g.block_size
+            if end <= 0 or end % size:
+                continue  # a step ending inside a block leaves no state to cache
+            i = end // size - 1
+            gids = ids[g.index]
+            hidx = layout.hash_index(g, i)
+            if i >= len(gids) or hidx >= len(hashes) or gids[i] == NULL_BLOCK:
+                continue
+            want = hashes[hidx] + g.index.to_bytes(4, "big")  # make_block_hash_with_group_id
+            if pool.blocks[gids[i]].block_hash != want:
+                stats.bump("state_offer_mismatches")
+                continue
+            out.append((g.index, gids[i], end))
         return out
 
     def _block_ids(self, rid: str, block_state: Any) -> tuple[list[int], ...] | None:

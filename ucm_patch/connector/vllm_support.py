@@ -5,10 +5,13 @@ version number alone), and each is said once, at start, as a WARNING under vLLM'
 
 * **Hybrid prefix hits** (Qwen3-Next, Qwen3.5) need the boundary GDN / Mamba states that
   vLLM offers a connector in ``SchedulerOutput.kv_connector_block_state`` (vLLM >= 0.29).
-  A state is not positional, so without that offer no state can be stored and every
-  hybrid lookup misses; vLLM 0.22's ``_mamba_block_aligned_split`` also asserts that no
-  external tokens arrive ("External KV connector is not verified yet"), so a hit would kill
-  the engine core. On such a vLLM the connector serves hybrid models as a no-op: no lookup,
+  On 0.26 to 0.28 the connector finds them by position (the block a step ending on a
+  boundary wrote, confirmed by its hash: ``SchedulerSide._boundary_offers``), where the
+  scheduler lets an async load past the mamba align split and keeps its blocks out of
+  the step's KV zeroing. Elsewhere (vLLM 0.22's ``_mamba_block_aligned_split`` asserts
+  that no external tokens arrive, "External KV connector is not verified yet", so a hit
+  would kill the engine core), and by design with speculative decoding or a hash block
+  finer than the mamba block, the connector serves hybrid models as a no-op: no lookup,
   no dump (the pages would be written for nothing), no crash.
 * **Keys across processes**: keys are vLLM's block hashes, chained from ``NONE_HASH``.
   Before 0.29 ``NONE_HASH`` is random per process unless ``PYTHONHASHSEED`` is set (from
@@ -26,21 +29,69 @@ from typing import Any
 #: The vLLM release that first offers boundary states (``kv_connector_block_state``).
 HYBRID_SINCE = "0.29"
 
+#: What a scheduler without state offers must show in its own source for the connector to
+#: find the states by position instead (:meth:`SchedulerSide._boundary_offers`): an async
+#: external load skips the mamba align split (0.23+: the split asserts that no external
+#: token arrives on 0.22), and the blocks of an async load are left out of the step's KV
+#: zeroing (0.26+, ``_skip_zero_block_ids``: before, the zeroing could race the load's
+#: write into them).
+POSITIONAL_MARKS = ("_skip_zero_block_ids", "need_mamba_block_aligned_split and not load_kv_async")
 
-def hybrid_unsupported_reason() -> str | None:
-    """Why this vLLM cannot give a hybrid model prefix hits, or None when it can."""
-    from vllm.v1.core.sched.output import SchedulerOutput
 
-    fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
-    if "kv_connector_block_state" in fields:
+def offers_states(scheduler_output_cls: Any = None) -> bool:
+    """Whether vLLM offers boundary states in ``SchedulerOutput.kv_connector_block_state``."""
+    if scheduler_output_cls is None:
+        from vllm.v1.core.sched.output import SchedulerOutput as scheduler_output_cls
+    return "kv_connector_block_state" in {f.name for f in dataclasses.fields(scheduler_output_cls)}
+
+
+def hybrid_unsupported_reason(
+    vllm_config: Any = None, scheduler_source: str | None = None,
+    scheduler_output_cls: Any = None, hash_block_size: int = 0, state_block_size: int = 0,
+) -> str | None:  # fmt: skip
+    """Why this vLLM cannot give a hybrid model prefix hits, or None when it can.
+
+    vLLM >= 0.29 offers the boundary states. Before, the connector finds them by
+    position where the scheduler's own source shows :data:`POSITIONAL_MARKS` (vLLM
+    0.26 to 0.28), except, by design, with speculative decoding (its mamba blocks move)
+    or a hash block finer than the state block (``prefix_match_unit``: a state is
+    copied into a block of its own): 0.29's offers follow those moves, a position
+    cannot. ``scheduler_source`` (tests): the scheduler's source instead of vLLM's."""
+    if offers_states(scheduler_output_cls):
         return None
-    return (
-        f"hybrid prefix hits need vLLM >= {HYBRID_SINCE}: this vLLM's SchedulerOutput has "
-        "no kv_connector_block_state, so the scheduler never offers the GDN/Mamba states "
-        "at block boundaries that a hit must load (and vLLM 0.22's mamba split asserts "
-        "'External KV connector is not verified yet' on any external token). The connector "
-        "stays idle for this model: no lookups, no dumps"
-    )
+    if scheduler_source is None:
+        import inspect
+
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        scheduler_source = inspect.getsource(Scheduler)
+    missing = [mark for mark in POSITIONAL_MARKS if mark not in scheduler_source]
+    if missing:
+        return (
+            f"hybrid prefix hits need vLLM >= 0.26: this vLLM's SchedulerOutput has no "
+            "kv_connector_block_state (the GDN/Mamba states at block boundaries that a hit "
+            "must load, offered from 0.29), and its scheduler lacks what finding them by "
+            f"position needs ({', '.join(repr(m) for m in missing)}: an async load past "
+            "the mamba align split, which asserts 'External KV connector is not verified "
+            "yet' on 0.22, and the blocks of an async load kept out of the step's KV "
+            "zeroing, which could race the load before 0.26). The connector stays idle "
+            "for this model: no lookups, no dumps"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return (
+            f"hybrid prefix hits need vLLM >= {HYBRID_SINCE} with speculative decoding: its "
+            "mamba blocks move, and this vLLM does not say where (kv_connector_block_state). "
+            "The connector stays idle for this model: no lookups, no dumps"
+        )
+    if hash_block_size and hash_block_size < state_block_size:
+        return (
+            f"hybrid prefix hits need vLLM >= {HYBRID_SINCE} with a hash block "
+            f"({hash_block_size} tokens) finer than the mamba block ({state_block_size}; "
+            "prefix_match_unit): a state is then copied into a block of its own, and this "
+            "vLLM does not say which (kv_connector_block_state). The connector stays idle "
+            "for this model: no lookups, no dumps"
+        )
+    return None
 
 
 def random_hash_seed_reason(kv_cache_utils: Any = None, hash_algo: str | None = None) -> str | None:
