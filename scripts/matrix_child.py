@@ -26,6 +26,9 @@ Usage (the repository root on ``PYTHONPATH``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0
   connector's counters over prompt 2 and every ERROR line logged meanwhile.
 * ``reference MODEL OUT``: prompts 2 then 3 without a connector, in a fresh process: what
   ``e2e-load-fail`` must print.
+* ``state-oracle MODEL STORE TRACE OUT`` (a release with state offers, vLLM >= 0.29): beside
+  every step, vLLM's own boundary-state offers against those the connector finds by
+  position on 0.26 - 0.28, over the traces of :func:`run_state_oracle`.
 
 Why a separate script and a ``__main__`` guard: some vLLM releases (0.22 on CPU) start a
 worker process even in single-process mode, and a spawned worker re-imports the main
@@ -61,14 +64,14 @@ def token_ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(4, 1000) for _ in range(n)]
 
 
-def _llm(model: str, kv_transfer_config: Any) -> Any:
+def _llm(model: str, kv_transfer_config: Any, max_num_batched_tokens: int = MAX_MODEL_LEN) -> Any:
     from vllm import LLM
 
     return LLM(
         model=model,
         dtype="bfloat16",  # Qwen3-Next on vLLM CPU needs it; the tiny Qwen3 is bf16 too
         max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=MAX_MODEL_LEN,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=4,
         seed=SEED,
         enforce_eager=True,
@@ -275,6 +278,81 @@ def run_e2e_load_fail(model: str, store: str, how: str, policy: str) -> dict[str
     }
 
 
+def _shadow_state_offers() -> dict[str, Any]:
+    """Beside every step with vLLM's own state offers (``kv_connector_block_state``, vLLM
+    >= 0.29), the offers the connector finds by position where vLLM gives none
+    (``SchedulerSide._boundary_offers``, vLLM 0.26 - 0.28), compared per request and
+    step: the returned record fills as vLLM runs. Counted: steps compared, offers
+    vLLM made, and every difference (the first 20)."""
+    from ucm_patch.connector.scheduler_side import SchedulerSide
+
+    seen: dict[str, Any] = {"steps": 0, "offers": 0, "positional": 0, "differences": []}
+    plan = SchedulerSide._plan_dumps
+
+    def compare(self: Any, so: Any, md: Any, block_state: Any) -> None:
+        if block_state is not None and self.layout.mamba_groups and self._pool is not None:
+            offers = getattr(block_state, "boundary_state_offloads", None) or {}
+            computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+            cached = so.scheduled_cached_reqs
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
+            seen["steps"] += 1
+            for rid in set(so.num_scheduled_tokens) | set(offers):
+                st, ids = self._reqs.get(rid), self._block_ids(rid, block_state)
+                end = computed.get(rid, 0) + so.num_scheduled_tokens.get(rid, 0)
+                end -= len(spec.get(rid, ()))
+                mine = sorted(self._boundary_offers(st, ids, end)) if st and ids else []
+                theirs = sorted(tuple(int(x) for x in item) for item in offers.get(rid, ()))
+                seen["offers"] += len(theirs)
+                seen["positional"] += len(mine)
+                if mine != theirs and len(seen["differences"]) < 20:
+                    seen["differences"].append(
+                        {"request": rid, "end": end, "vllm": theirs, "positional": mine}
+                    )
+        plan(self, so, md, block_state)
+
+    SchedulerSide._plan_dumps = compare  # type: ignore[method-assign]
+    return seen
+
+
+def run_state_oracle(model: str, store: str, trace: str) -> dict[str, Any]:
+    """vLLM's own state offers against the positional ones (:func:`_shadow_state_offers`)
+    over the traces that place states differently. ``trace`` ``steps``: a prefill of
+    several blocks in one step (the align split cuts it at the last boundary), two
+    requests sharing a prefix in one step, a decode that crosses a block boundary, and an
+    async hit from the store followed by a local hit on the loaded prefix;
+    ``chunked:BLOCK``: a prefill of one block (``BLOCK`` tokens, the block size the
+    ``steps`` run reported) per step."""
+    from vllm import SamplingParams
+
+    seen = _shadow_state_offers()
+    if trace.startswith("chunked:"):  # the block size vLLM chose, from the "steps" run
+        block = int(trace.split(":", 1)[1])
+        llm = _llm(model, _connector_config(store), max_num_batched_tokens=block)
+        assert llm.llm_engine.vllm_config.cache_config.block_size == block
+        _generate(llm, token_ids(9, 3 * block + 5))
+        _wait_for_dumps()
+        return {**seen, "block_size": block}
+    if trace != "steps":
+        raise SystemExit(f"unknown trace {trace!r} (steps, chunked:BLOCK)")
+    llm = _llm(model, _connector_config(store))
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    prefix, p1, p2 = _prompts(llm)
+    _generate(llm, p1)
+    _wait_for_dumps()
+    pair = [{"prompt_token_ids": [*token_ids(7, 2 * block), t]} for t in (1, 2)]
+    llm.generate(pair, SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)
+    crossing = {"prompt_token_ids": token_ids(8, block - 2)}
+    decode = SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False)
+    llm.generate([crossing], decode, use_tqdm=False)
+    _wait_for_dumps()
+    llm.reset_prefix_cache()  # prompt 2's prefix now comes from the store: an async hit
+    hit = _generate(llm, p2)
+    again = _generate(llm, _third(prefix))  # a local hit on the loaded prefix
+    _wait_for_dumps()
+    return {**seen, "block_size": block, "hit": hit, "again": again, "prefix_len": len(prefix)}
+
+
 def run_reference(model: str) -> dict[str, Any]:
     """Prompts 2 and 3 without any connector, in this fresh process."""
     llm = _llm(model, None)
@@ -303,9 +381,12 @@ def main(argv: list[str]) -> int:
         result = run_plain(*args)
     elif mode == "reference":
         result = run_reference(*args)
+    elif mode == "state-oracle":
+        result = run_state_oracle(*args)
     else:
         raise SystemExit(
-            f"unknown mode {mode!r} (gdn, e2e-dump, e2e-load, e2e-load-fail, plain, reference)"
+            f"unknown mode {mode!r} (gdn, e2e-dump, e2e-load, e2e-load-fail, plain, reference, "
+            "state-oracle)"
         )
     Path(out).write_text(json.dumps(result))
     return 0

@@ -22,7 +22,8 @@ and cached outside the checkout (``~/.cache/ucm_patch/matrix``, or
   the step's zeroing, 0.22.1's does neither (hybrid refused there, naming both).
 * **0.29.0**, the oldest release with state offers (``kv_connector_block_state``, 0.29's
   dict form): the hybrid hit ends on a stored GDN state, with a recomputation's tokens and
-  the exact oracle's logprobs.
+  the exact oracle's logprobs. And the oracle of the positional offers: beside every
+  step, 0.29's own offers equal those the connector finds by position on 0.26 - 0.28.
 * **A hybrid load that fails** (issue #36), on 0.29.0 and on this venv's vLLM (0.32): the
   stored values are damaged in their segment files between the dump and the load, or the
   store raises on every read. The lookup still offers the prefix and vLLM schedules its
@@ -116,6 +117,35 @@ def test_0_26_hybrid_hits_on_a_gdn_state_found_by_position(release) -> None:
     assert out["oracle_cached_tokens"] == out["cached_tokens"] and out["same_as_oracle"], out
     assert "logged_error" not in out, out["logged_error"]
     assert out["ok"], out
+
+
+def test_states_found_by_position_equal_the_states_vllm_offers(release) -> None:
+    """The oracle of the positional offers (vLLM 0.26 - 0.28): on 0.29, the oldest release
+    that offers the states itself, every step's offers are compared with those the
+    connector finds by position, over a prefill of several blocks in one step, two
+    requests sharing a prefix in one step, a decode crossing a block boundary, an async
+    hit from the store then a local hit on the loaded prefix, and a chunked prefill of one
+    block per step. They must be equal, and every trace must offer states."""
+    run = release("0.29.0")
+    model, store = str(rm.GDN_MODEL), run.work / "oracle-store"
+    shutil.rmtree(store, ignore_errors=True)
+    seed = {"PYTHONHASHSEED": "0"}
+
+    def trace(name: str) -> dict[str, Any]:
+        args = ["state-oracle", model, str(store), name]
+        return rm.run_child(run, f"oracle {name}", args, run.work / "oracle.json", seed)
+
+    steps = trace("steps")
+    block = steps["block_size"]
+    assert steps["hit"]["num_cached_tokens"] >= block, steps["hit"]  # from the store
+    assert steps["again"]["num_cached_tokens"] >= block, steps["again"]  # on the loaded prefix
+    chunked = trace(f"chunked:{block}")
+    for out in (steps, chunked):
+        assert out["differences"] == [], out["differences"]
+        assert out["offers"] == out["positional"] > 0, out
+        assert "logged_error" not in out, out["logged_error"]
+    # the chunked prefill of 3 blocks and a tail offers each boundary it ends on
+    assert chunked["offers"] >= 3, chunked
 
 
 def test_0_29_hybrid_hits_on_a_stored_gdn_state(release) -> None:
