@@ -75,6 +75,26 @@ def test_without_offers_hybrid_hits_need_what_finding_states_by_position_needs(s
         assert ("not load_kv_async" in reason) == (SPLIT_SKIPPED not in source)
 
 
+@pytest.mark.vllm
+def test_a_scheduler_whose_source_cannot_be_read_refuses_hybrid_hits(monkeypatch):
+    """vLLM installed as compiled files only: no mark can be read, so hybrid hits are
+    refused with the reason (never an exception at the connector's start)."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    real = inspect.getsource
+
+    def unreadable(obj: object) -> str:
+        if obj is Scheduler:
+            raise OSError("could not get source code")
+        return real(obj)
+
+    monkeypatch.setattr(inspect, "getsource", unreadable)
+    reason = vllm_support.hybrid_unsupported_reason(None, None, _OutputWithoutOffers)
+    assert reason is not None and "_skip_zero_block_ids" in reason
+
+
 def test_without_offers_speculative_decoding_and_finer_hash_blocks_are_refused():
     """By design, where a state's block moves (speculative decoding) or is copied into a
     block of its own (a hash block finer than the mamba block: prefix_match_unit), a

@@ -88,8 +88,10 @@ class SpillThread:
     def _spill(self, victim: tuple[int, int, Any]) -> None:
         try:
             self._memory.empty_segment(victim)
-        except (StoreError, OSError) as exc:
-            self._warn.warning("spill", "%s: spill failed: %s", self._memory.path, exc)
+        except Exception as exc:  # a store error, or a bug: said, and the next one runs
+            self._warn.warning(
+                "spill", "%s: spill failed: %s: %s", self._memory.path, type(exc).__name__, exc
+            )
 
     def close(self) -> None:
         """Wait for the spill that runs (its segment is left whole, never half spilled)."""

@@ -60,11 +60,7 @@ def hybrid_unsupported_reason(
     if offers_states(scheduler_output_cls):
         return None
     if scheduler_source is None:
-        import inspect
-
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        scheduler_source = inspect.getsource(Scheduler)
+        scheduler_source = _scheduler_source()
     missing = [mark for mark in POSITIONAL_MARKS if mark not in scheduler_source]
     if missing:
         return (
@@ -92,6 +88,19 @@ def hybrid_unsupported_reason(
             "for this model: no lookups, no dumps"
         )
     return None
+
+
+def _scheduler_source() -> str:
+    """The installed vLLM scheduler's source ("": not readable, e.g. an install of
+    compiled files only, where no mark is found and hybrid hits are refused)."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    try:
+        return inspect.getsource(Scheduler)
+    except (OSError, TypeError):
+        return ""
 
 
 def random_hash_seed_reason(kv_cache_utils: Any = None, hash_algo: str | None = None) -> str | None:
