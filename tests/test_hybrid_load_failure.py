@@ -1,5 +1,5 @@
-"""``hybrid_load_failure``'s wrapper on a stand-in scheduler (real vLLM 0.29 runs it in
-tests/test_older_release_e2e.py).
+"""``hybrid_load_failure``'s wrapper on a stand-in scheduler (real vLLM 0.26 and 0.29 run
+it in tests/test_older_release_e2e.py).
 
 Several KV-cache groups: a request with a failed block in any group goes back to token 0
 (vLLM 0.30's path), the shared null block never counts, and the return value is what
@@ -104,8 +104,10 @@ def test_one_group_is_vllms_own_method() -> None:
     assert reqs[0].num_computed_tokens == 32
 
 
-def test_the_record_is_vllm_0_29_only_and_retired_by_0_30() -> None:
+def test_the_record_covers_the_hybrid_releases_before_0_30_and_is_retired_by_0_30() -> None:
+    """From 0.26 the connector serves hybrid hits (states found by position to 0.28,
+    offered from 0.29), and every release before 0.30 unpacks one group."""
     (record,) = hlf.RECORDS
-    assert record.requires == {"vllm": ">=0.29,<0.30"}
+    assert record.requires == {"vllm": ">=0.26,<0.30"}
     assert record.retired and record.default and not record.hooks
     assert record.expect[0].args[0] == hlf.PARAMS
