@@ -14,12 +14,13 @@ and cached outside the checkout (``~/.cache/ucm_patch/matrix``, or
   warning naming it. Its CPU build cannot run a hybrid model with prefix caching at all
   (the mamba block copy is a Triton kernel; Triton has no CPU backend), with or without
   a connector.
-* **0.26.0**, the oldest release whose CPU build runs the tiny 3:1 Qwen3-Next: it has no
-  state offers, so the connector finds the states by position, each checked against its
-  block's hash; the hybrid hit ends on a stored GDN state, with a recomputation's tokens
-  and the exact oracle's logprobs. What decides that at start is read from each
-  release's own scheduler: 0.26.0's lets an async load past the align split and out of
-  the step's zeroing, 0.22.1's does neither (hybrid refused there, naming both).
+* **0.26.0**, the oldest release whose CPU build runs the tiny 3:1 Qwen3-Next, and
+  **0.28.0**, the newest without state offers: the connector finds the states by
+  position, each checked against its block's hash; the hybrid hit ends on a stored GDN
+  state, with a recomputation's tokens and the exact oracle's logprobs. What decides
+  that at start is read from each release's own scheduler: 0.26.0's and 0.28.0's let an
+  async load past the align split (each in its own form) and out of the step's zeroing,
+  0.22.1's does neither (hybrid refused there, naming both).
 * **0.29.0**, the oldest release with state offers (``kv_connector_block_state``, 0.29's
   dict form): the hybrid hit ends on a stored GDN state, with a recomputation's tokens and
   the exact oracle's logprobs. And the oracle of the positional offers: beside every
@@ -82,13 +83,16 @@ def test_0_22_dense_hits_across_processes_and_warns_without_a_hash_seed(release)
     assert out["ok"], out
 
 
-@pytest.mark.parametrize(("version", "missing"), [("0.22.1", True), ("0.26.0", False)])
+@pytest.mark.parametrize(
+    ("version", "missing"), [("0.22.1", True), ("0.26.0", False), ("0.28.0", False)]
+)
 def test_the_marks_of_finding_states_by_position_are_read_from_each_releases_scheduler(
     release, version: str, missing: bool
 ) -> None:
     """What the connector checks at start, in the release's own venv: 0.22.1's scheduler
     asserts on an async load in the align split and zeroes its blocks (hybrid refused,
-    naming both), 0.26.0's does neither (hybrid served by position)."""
+    naming both); 0.26.0's and 0.28.0's do neither (each skips the split its own way:
+    hybrid served by position)."""
     run = release(version)
     code = (
         "from ucm_patch.connector.vllm_support import hybrid_unsupported_reason as r; "
@@ -99,17 +103,18 @@ def test_the_marks_of_finding_states_by_position_are_read_from_each_releases_sch
     reason = ast.literal_eval(out.stdout.strip().splitlines()[-1])  # a str's repr, or None
     if missing:
         assert reason is not None and "_skip_zero_block_ids" in reason, reason
-        assert "need_mamba_block_aligned_split and not load_kv_async" in reason, reason
+        assert "an async load past the mamba align split" in reason, reason
     else:
         assert reason is None, reason
 
 
-def test_0_26_hybrid_hits_on_a_gdn_state_found_by_position(release) -> None:
-    """0.26 offers no states: the connector finds each one by position, checked against
-    the block's hash (SchedulerSide._boundary_offers), and the hit ends on it with a
-    recomputation's tokens and the exact oracle's logprobs."""
-    run = release("0.26.0")
-    assert not rm.offers_block_state("0.26.0")
+@pytest.mark.parametrize("version", ["0.26.0", "0.28.0"])
+def test_hybrid_hits_on_a_gdn_state_found_by_position(release, version: str) -> None:
+    """0.26 to 0.28 offer no states: the connector finds each one by position, checked
+    against the block's hash (SchedulerSide._boundary_offers), and the hit ends on it
+    with a recomputation's tokens and the exact oracle's logprobs."""
+    run = release(version)
+    assert not rm.offers_block_state(version)
     out = rm.check_e2e(run, rm.GDN_MODEL, "e2e_hybrid")
     assert "refused" not in out, out
     assert out["cached_tokens"] == out["expected_hit_tokens"] > 0, out
@@ -229,7 +234,7 @@ def _failed_load(load: dict[str, Any], how: str) -> None:
         assert stats["load_exceptions"] >= 1, stats
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.29.0", "this venv"])
+@pytest.mark.parametrize("version", ["0.26.0", "0.28.0", "0.29.0", "this venv"])
 @pytest.mark.parametrize("how", ["stored", "raising"])
 def test_a_failed_hybrid_load_is_recomputed_and_the_engine_serves_on(
     failed_loads, version: str, how: str
@@ -254,7 +259,7 @@ def test_a_failed_hybrid_load_is_recomputed_and_the_engine_serves_on(
     assert "logged_error" not in load, load["logged_error"]
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.29.0", "this venv"])
+@pytest.mark.parametrize("version", ["0.26.0", "0.28.0", "0.29.0", "this venv"])
 def test_under_the_fail_policy_a_failed_hybrid_load_fails_its_request_only(
     failed_loads, version: str
 ) -> None:

@@ -49,30 +49,64 @@ class _OutputWithoutOffers:  # a SchedulerOutput before vLLM 0.29
     num_scheduled_tokens: dict
 
 
-SPLIT_SKIPPED = "if self.need_mamba_block_aligned_split and not load_kv_async:"
-ZEROING_SKIPPED = "self._skip_zero_block_ids: set[int] = set()"
+ZEROING = """
+class Scheduler:
+    def __init__(self):
+        self._skip_zero_block_ids: set[int] = set()
+"""
+SPLIT_0_26 = """
+    def schedule(self):
+        if self.need_mamba_block_aligned_split and not load_kv_async:
+            num_new_tokens = self._mamba_block_aligned_split(request, num_new_tokens)
+"""
+SPLIT_0_28 = """
+    def schedule(self):
+        if load_kv_async:
+            num_new_tokens = 0
+        elif defer_prefills:
+            pass
+        else:
+            if self.need_mamba_block_aligned_split:
+                num_new_tokens = self._mamba_block_aligned_split(request, num_new_tokens)
+"""
+SPLIT_0_22 = """
+    def schedule(self):
+        if load_kv_async:
+            num_new_tokens = 0
+        else:
+            num_new_tokens = 5
+        if self.need_mamba_block_aligned_split:
+            num_new_tokens = self._mamba_block_aligned_split(request, num_new_tokens)
+"""
+NO_ZEROING = "\nclass Scheduler:\n    pass\n"
 
 
 @pytest.mark.parametrize(
     ("source", "missing"),
     [
-        (ZEROING_SKIPPED + "\n" + SPLIT_SKIPPED, None),  # 0.26 - 0.28
-        (SPLIT_SKIPPED, "_skip_zero_block_ids"),  # 0.23 - 0.25: the zeroing races the load
-        ("if self.need_mamba_block_aligned_split:", "_skip_zero_block_ids"),  # 0.22
+        (ZEROING + SPLIT_0_26, []),  # 0.26: the split skipped for an async load
+        (ZEROING + SPLIT_0_28, []),  # 0.27+: the split only where the load is not async
+        (NO_ZEROING + SPLIT_0_26, ["_skip_zero_block_ids"]),  # 0.23 - 0.25: zeroing races
+        (NO_ZEROING + SPLIT_0_22, [vllm_support.SPLIT_MARK, "_skip_zero_block_ids"]),  # 0.22
+        (ZEROING + SPLIT_0_22, [vllm_support.SPLIT_MARK]),
+        ("not python (", [vllm_support.SPLIT_MARK, "_skip_zero_block_ids"]),
     ],
 )
 def test_without_offers_hybrid_hits_need_what_finding_states_by_position_needs(source, missing):
     """Without ``kv_connector_block_state`` the states are found by position only where
-    the scheduler's own source lets an async load past the align split and out of the
-    step's zeroing; elsewhere the reason names what is missing."""
+    the scheduler's own source never runs the align split for an async load (read from
+    its syntax tree, in either form releases wrote it) and keeps the load's blocks out of
+    the step's zeroing; elsewhere the reason names what is missing."""
     reason = vllm_support.hybrid_unsupported_reason(
         None, source, _OutputWithoutOffers, hash_block_size=64, state_block_size=64
     )
-    if missing is None:
+    if not missing:
         assert reason is None
     else:
-        assert reason is not None and "need vLLM >= 0.26" in reason and missing in reason
-        assert ("not load_kv_async" in reason) == (SPLIT_SKIPPED not in source)
+        assert reason is not None and "need vLLM >= 0.26" in reason
+        for mark in missing:
+            assert mark in reason, (mark, reason)
+        assert (vllm_support.SPLIT_MARK in reason) == (vllm_support.SPLIT_MARK in missing)
 
 
 @pytest.mark.vllm
@@ -99,7 +133,7 @@ def test_without_offers_speculative_decoding_and_finer_hash_blocks_are_refused()
     """By design, where a state's block moves (speculative decoding) or is copied into a
     block of its own (a hash block finer than the mamba block: prefix_match_unit), a
     position cannot find it: refused, saying which. With offers (0.29+), both are fine."""
-    source = ZEROING_SKIPPED + "\n" + SPLIT_SKIPPED
+    source = ZEROING + SPLIT_0_26
     spec = SimpleNamespace(speculative_config=object())
     reason = vllm_support.hybrid_unsupported_reason(spec, source, _OutputWithoutOffers, 64, 64)
     assert reason is not None and "speculative decoding" in reason

@@ -30,12 +30,53 @@ from typing import Any
 HYBRID_SINCE = "0.29"
 
 #: What a scheduler without state offers must show in its own source for the connector to
-#: find the states by position instead (:meth:`SchedulerSide._boundary_offers`): an async
-#: external load skips the mamba align split (0.23+: the split asserts that no external
-#: token arrives on 0.22), and the blocks of an async load are left out of the step's KV
-#: zeroing (0.26+, ``_skip_zero_block_ids``: before, the zeroing could race the load's
+#: find the states by position instead (:meth:`SchedulerSide._boundary_offers`), besides
+#: an async load that never runs the mamba align split (:func:`async_load_skips_align_split`:
+#: the split asserts that no external token arrives on 0.22): the blocks of an async load
+#: left out of the step's KV zeroing (0.26+; before, the zeroing could race the load's
 #: write into them).
-POSITIONAL_MARKS = ("_skip_zero_block_ids", "need_mamba_block_aligned_split and not load_kv_async")
+ZEROING_MARK = "_skip_zero_block_ids"
+#: What the missing marks are called in a refusal.
+SPLIT_MARK = "an async load past the mamba align split"
+
+
+def async_load_skips_align_split(source: str) -> bool:
+    """Whether the scheduler ``source`` (its class) never runs the mamba align split
+    (``_mamba_block_aligned_split``) for a request whose load is async: a split under
+    ``if ... and not load_kv_async`` (vLLM 0.23 - 0.26), or only in the branch after
+    ``if load_kv_async:`` (0.27+). 0.22 runs it for every waiting request, and its
+    assert kills the engine core on an external token. Read from the syntax tree, so
+    that formatting does not matter; unparsable source counts as no."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+
+    def splits(nodes: list[ast.stmt]) -> bool:
+        return any(
+            isinstance(n, ast.Attribute) and n.attr == "_mamba_block_aligned_split"
+            for stmt in nodes
+            for n in ast.walk(stmt)
+        )
+
+    def negates_async(test: ast.expr) -> bool:
+        return any(
+            isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not)
+            and isinstance(n.operand, ast.Name) and n.operand.id == "load_kv_async"
+            for n in ast.walk(test)
+        )  # fmt: skip
+
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If):
+            continue
+        if negates_async(node.test) and splits(node.body):
+            return True
+        is_async = isinstance(node.test, ast.Name) and node.test.id == "load_kv_async"
+        if is_async and splits(node.orelse) and not splits(node.body):
+            return True
+    return False
 
 
 def offers_states(scheduler_output_cls: Any = None) -> bool:
@@ -52,8 +93,9 @@ def hybrid_unsupported_reason(
     """Why this vLLM cannot give a hybrid model prefix hits, or None when it can.
 
     vLLM >= 0.29 offers the boundary states. Before, the connector finds them by
-    position where the scheduler's own source shows :data:`POSITIONAL_MARKS` (vLLM
-    0.26 to 0.28), except, by design, with speculative decoding (its mamba blocks move)
+    position where the scheduler's own source shows that an async load skips the align
+    split (:func:`async_load_skips_align_split`) and :data:`ZEROING_MARK` (vLLM 0.26 to
+    0.28), except, by design, with speculative decoding (its mamba blocks move)
     or a hash block finer than the state block (``prefix_match_unit``: a state is
     copied into a block of its own): 0.29's offers follow those moves, a position
     cannot. ``scheduler_source`` (tests): the scheduler's source instead of vLLM's."""
@@ -61,17 +103,18 @@ def hybrid_unsupported_reason(
         return None
     if scheduler_source is None:
         scheduler_source = _scheduler_source()
-    missing = [mark for mark in POSITIONAL_MARKS if mark not in scheduler_source]
+    missing = [] if async_load_skips_align_split(scheduler_source) else [SPLIT_MARK]
+    if ZEROING_MARK not in scheduler_source:
+        missing.append(f"{ZEROING_MARK!r}")
     if missing:
         return (
             f"hybrid prefix hits need vLLM >= 0.26: this vLLM's SchedulerOutput has no "
             "kv_connector_block_state (the GDN/Mamba states at block boundaries that a hit "
             "must load, offered from 0.29), and its scheduler lacks what finding them by "
-            f"position needs ({', '.join(repr(m) for m in missing)}: an async load past "
-            "the mamba align split, which asserts 'External KV connector is not verified "
-            "yet' on 0.22, and the blocks of an async load kept out of the step's KV "
-            "zeroing, which could race the load before 0.26). The connector stays idle "
-            "for this model: no lookups, no dumps"
+            f"position needs: {' and '.join(missing)} (the align split asserts 'External "
+            "KV connector is not verified yet' on 0.22; before 0.26 the step's KV zeroing "
+            "of an async load's blocks could race the load). The connector stays idle for "
+            "this model: no lookups, no dumps"
         )
     if getattr(vllm_config, "speculative_config", None) is not None:
         return (
