@@ -109,13 +109,15 @@ def test_the_marks_of_finding_states_by_position_are_read_from_each_releases_sch
 
 
 @pytest.mark.parametrize("version", ["0.26.0", "0.28.0"])
-def test_hybrid_hits_on_a_gdn_state_found_by_position(release, version: str) -> None:
+@pytest.mark.parametrize("model", ["tiny-qwen3-next-3to1", "tiny-qwen3-next-mixed"])
+def test_hybrid_hits_on_a_gdn_state_found_by_position(release, version: str, model: str) -> None:
     """0.26 to 0.28 offer no states: the connector finds each one by position, checked
     against the block's hash (SchedulerSide._boundary_offers), and the hit ends on it
-    with a recomputation's tokens and the exact oracle's logprobs."""
+    with a recomputation's tokens and the exact oracle's logprobs; on the 3:1 layout of
+    the released checkpoints (three mamba groups) and on an uneven one (GAGGA)."""
     run = release(version)
     assert not rm.offers_block_state(version)
-    out = rm.check_e2e(run, rm.GDN_MODEL, "e2e_hybrid")
+    out = rm.check_e2e(run, rm.GDN_MODEL.parent / model, f"e2e_hybrid_{model}")
     assert "refused" not in out, out
     assert out["cached_tokens"] == out["expected_hit_tokens"] > 0, out
     assert out["same_tokens"] and out["stored_files"] > 0, out
