@@ -133,6 +133,7 @@ class SchedulerSide:
         self._tables: dict[str, list[list[int]]] = {}
         self._step = 0
         self._pool: Any = None
+        self._group_hash: Any = None  # vLLM's make_block_hash_with_group_id, with the pool
         self._pins: dict[int, list[Any]] = {}
         self._reports: dict[int, int] = {}
         #: request -> block ids its load from the store writes (until it finishes)
@@ -445,8 +446,7 @@ class SchedulerSide:
             hidx = layout.hash_index(g, i)
             if i >= len(gids) or hidx >= len(hashes) or gids[i] == NULL_BLOCK:
                 continue
-            want = hashes[hidx] + g.index.to_bytes(4, "big")  # make_block_hash_with_group_id
-            if pool.blocks[gids[i]].block_hash != want:
+            if pool.blocks[gids[i]].block_hash != self._group_hash(hashes[hidx], g.index):
                 stats.bump("state_offer_mismatches")
                 continue
             out.append((g.index, gids[i], end))
@@ -485,7 +485,12 @@ class SchedulerSide:
     # Pins (vLLM >= 0.22.1)
     # ---------------------------------------------------------------------------------
     def bind_gpu_block_pool(self, pool: Any) -> None:
-        """Keep vLLM's block pool: dumped blocks are pinned until the workers are done."""
+        """Keep vLLM's block pool: dumped blocks are pinned until the workers are done;
+        and vLLM's own key of a cached block, to check a state found by position
+        (:meth:`_boundary_offers`)."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        self._group_hash = make_block_hash_with_group_id
         self._pool = pool
 
     def _pin(self, md: UCMConnectorMetadata) -> None:
