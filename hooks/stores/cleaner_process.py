@@ -4,10 +4,9 @@ It opens the two tiers again from their specs (:meth:`Tier.spec`), never the sto
 does not count as a user of the memory tier (whose last user's close spills and removes
 it), and it allocates nothing (no warmer). It refills the memory tier's reserve, and the
 disk tier's that puts written around a dry memory tier take from, in one recency order
-over both (:func:`~.segment_cleaner.refill_two`), whenever one is short, looking every
-:data:`ACTIVE_POLL_S` while puts or hits land (either tier's recency stamps change) and
-every :data:`IDLE_POLL_S` once none have for :data:`IDLE_AFTER_S`. It exits
-on SIGTERM (``close``: after the segment it is spilling), once its parent is gone
+over both (:func:`~.segment_cleaner.refill_two`), whenever one is short: it looks when
+its writer wakes it (:class:`Waker`), when its spill ends, and every :data:`IDLE_POLL_S`
+anyway. It exits on SIGTERM (``close``: after the segment it is spilling), once its parent is gone
 (killed included) or a tier's directory is, and ignores a terminal's SIGINT, which is
 its parent's to handle.
 """
@@ -16,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -31,10 +30,14 @@ from ucm_patch.hooks.stores.tier import Tier
 
 log = logging.getLogger(__name__)
 
-#: How often the reserve is checked while puts arrive, and once none have for
-#: :data:`IDLE_AFTER_S` (a segment of the connector's size fills in a few times the
-#: active period at a GPU's rate of KV).
-ACTIVE_POLL_S, IDLE_POLL_S, IDLE_AFTER_S = 0.002, 0.02, 1.0
+#: How soon the cleaner looks again when its last round left work it could do now, and
+#: otherwise at the latest: it waits for a wake (its writer took a ready segment or found
+#: none, :meth:`~.segment_cleaner.SegmentCleaner.wake`; its spill ended; SIGTERM), and
+#: looks every :data:`IDLE_POLL_S` anyway, for the segments other writers took (their
+#: cleaners are woken too). Looking every :data:`BUSY_POLL_S` whenever puts arrived, as
+#: it did before, several writers' cleaners took much of the CPU the puts and the spills
+#: needed (docs/CONNECTOR.md, "Writing around a dry memory tier", has the figures).
+BUSY_POLL_S, IDLE_POLL_S = 0.002, 0.02
 
 #: Niceness of the thread that writes spills to the disk tier. A put must not wait behind
 #: a spill: where a writer and that thread share a core, the scheduler runs the writer
@@ -73,16 +76,23 @@ class SpillThread:
     it whenever writers filled every core, and they skipped (measured with 2 and 4
     writers on 2 cores: docs/CONNECTOR.md, "Writing around a dry memory tier")."""
 
-    def __init__(self, memory: Tier, warn: RateLimitedLog) -> None:
-        self._memory, self._warn = memory, warn
+    def __init__(
+        self, memory: Tier, warn: RateLimitedLog, done: Callable[[], None] = lambda: None
+    ) -> None:
+        self._memory, self._warn, self._done = memory, warn, done
         self._pool = ThreadPoolExecutor(1, "ucm-spill")
         self._running: Future[None] | None = None
 
+    def running(self) -> bool:
+        """Whether a spill runs now (the cleaner then waits for ``done``, not a poll)."""
+        return self._running is not None and not self._running.done()
+
     def start(self, victim: tuple[int, int, Any]) -> bool:
         """Start spilling ``victim``: False (nothing started) while a spill runs."""
-        if self._running is not None and not self._running.done():
+        if self.running():
             return False
         self._running = self._pool.submit(self._spill, victim)
+        self._running.add_done_callback(lambda _f: self._done())  # once running() is False
         return True
 
     def _spill(self, victim: tuple[int, int, Any]) -> None:
@@ -103,6 +113,42 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SPILL_WRITE_NICE)
     except OSError:
         pass  # not permitted here: the spills run at the cleaner's priority
+
+
+class Waker:
+    """What the cleaner's thread waits on: its writer's wake pipe (``wake_fd``, -1:
+    none) and a pipe of its own, written when a spill ends and on a signal
+    (``signal.set_wakeup_fd``: SIGTERM ends the wait at once)."""
+
+    def __init__(self, wake_fd: int) -> None:
+        self._own_r, self._own_w = os.pipe()
+        for fd in (self._own_r, self._own_w, *([wake_fd] if wake_fd >= 0 else [])):
+            os.set_blocking(fd, False)
+        self._fds = [self._own_r, *([wake_fd] if wake_fd >= 0 else [])]
+        signal.set_wakeup_fd(self._own_w)
+
+    def poke(self) -> None:
+        """Wake the wait (from any thread)."""
+        try:
+            os.write(self._own_w, b"\0")
+        except OSError:
+            pass  # full: a wake is pending
+
+    def wait(self, timeout: float) -> None:
+        """Until a wake or ``timeout``; every pending wake read (one look serves them all).
+        A writer's pipe closed (its process ended) is no longer waited on."""
+        ready = select.select(self._fds, [], [], timeout)[0]
+        for fd in ready:
+            try:
+                if os.read(fd, 4096) == b"":
+                    self._fds.remove(fd)
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for fd in {*self._fds, self._own_r, self._own_w}:
+            os.close(fd)
 
 
 def _present(*tiers: Tier) -> bool:
@@ -131,16 +177,14 @@ def main(args: dict[str, Any]) -> None:
     warn = RateLimitedLog(log, 30.0)
     writer = SpillWriter()
     disk.run_spill_write = writer.run
-    spills = SpillThread(memory, warn)
+    waker = Waker(int(args.get("wake_fd", -1)))
+    spills = SpillThread(memory, warn, waker.poke)
     try:
-        seen, seen_disk, active_until, unfinished = b"", b"", 0.0, True
+        seen_disk, unfinished = b"", True
         reserve = 0 if disk.fsync else around_reserve(disk.count)
         while not stopping.is_set() and os.getppid() == parent and _present(memory, disk):
-            now = time.monotonic()
-            stamps, disk_stamps = memory.stamps(), disk.stamps()  # puts around land on disk
-            moved = disk_stamps != seen_disk
-            if stamps != seen or moved:  # a put or a hit since the last look
-                seen, seen_disk, active_until = stamps, disk_stamps, now + IDLE_AFTER_S
+            disk_stamps = disk.stamps()  # puts written around and hits land on disk
+            moved, seen_disk = disk_stamps != seen_disk, disk_stamps
             try:
                 unfinished = refill_two(
                     memory, disk, stopping, reserve, moved or unfinished, spills.start
@@ -148,20 +192,22 @@ def main(args: dict[str, Any]) -> None:
             except (StoreError, OSError) as exc:
                 unfinished = True
                 warn.warning("round", "%s: cleaner round failed: %s", memory.path, exc)
-            stopping.wait(ACTIVE_POLL_S if now < active_until else IDLE_POLL_S)
+            # work left that a look can do now (not a spill's end to wait for): look soon
+            waker.wait(BUSY_POLL_S if unfinished and not spills.running() else IDLE_POLL_S)
     finally:
         spills.close()
+        waker.close()
         writer.close()
         memory.close()
         disk.close()
 
 
 __all__ = [
-    "ACTIVE_POLL_S",
-    "IDLE_AFTER_S",
+    "BUSY_POLL_S",
     "IDLE_POLL_S",
     "SPILL_WRITE_NICE",
     "SpillThread",
     "SpillWriter",
+    "Waker",
     "main",
 ]

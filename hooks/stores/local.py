@@ -489,12 +489,16 @@ class LocalStore(KVStore):
         put one after the other, so that the cleaner's one recency order over both tiers
         (:func:`~.segment_cleaner.refill_two`, by segment) is the order they were put in.
         Alternating per put, each segment would mix older and newer values."""
+        had = self._around
         stored = self.disk.put([records[i] for i in todo], evict=False)
         for i, ok in zip(todo, stored, strict=True):
             done[i] = ok
         self._around = self.disk.holds_kept_lease()
-        assert self.memory is not None
-        self.memory.cleaner.wake()  # its process refills the disk tier's reserve too
+        if not (had and self._around and all(stored)):
+            # a ready disk segment was taken (or none was left): its process refills the
+            # disk tier's reserve too; a put into the segment it kept takes none
+            assert self.memory is not None
+            self.memory.cleaner.wake()
         if any(stored):
             self._bump(written_around=sum(stored))
 

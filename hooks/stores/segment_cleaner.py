@@ -200,9 +200,44 @@ def _spill(
     return start_spill(victim)
 
 
-def _end(proc: subprocess.Popen[bytes], parent: int) -> None:
+class WakePipe:
+    """The pipe a writer wakes its cleaner process through (:meth:`SegmentCleaner.wake`):
+    the process waits on its read end instead of looking at the index every few
+    milliseconds, which took the CPU of the puts and the spills wherever several writers'
+    cleaners looked at once (docs/CONNECTOR.md, "Writing around a dry memory tier", has
+    the figures). The write end is non-blocking (a full pipe already holds a wake not read yet)
+    and closed under its lock, so that no wake writes to a descriptor number reused."""
+
+    def __init__(self) -> None:
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._lock = threading.Lock()
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._write_fd >= 0:
+                with contextlib.suppress(OSError):  # full: a wake is pending; or no reader
+                    os.write(self._write_fd, b"\0")
+
+    def close_read_end(self) -> None:
+        if self.read_fd >= 0:
+            os.close(self.read_fd)
+            self.read_fd = -1
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_read_end()
+            if self._write_fd >= 0:
+                os.close(self._write_fd)
+                self._write_fd = -1
+
+
+def _end(proc: subprocess.Popen[bytes], parent: int, pipe: WakePipe | None = None) -> None:
     """Stop a cleaner process started by ``parent`` (not a forked child's to stop):
-    SIGTERM (it finishes its segment), SIGKILL after STOP_S."""
+    SIGTERM (it finishes its segment), SIGKILL after STOP_S. Its wake pipe is closed
+    (in a forked child too: its copy)."""
+    if pipe is not None:
+        pipe.close()
     if parent != os.getpid() or proc.poll() is not None:
         return
     with contextlib.suppress(OSError):
@@ -225,6 +260,8 @@ class SegmentCleaner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._pipe: WakePipe | None = None  # tells the process to look (wake)
+        self._ender: weakref.finalize | None = None  # ends the process, closes the pipe
         self._spec: dict[str, Any] | None = None  # the two tiers, for the process
         self._below: weakref.ref[Any] | None = None  # the tier spilled into
         self._spawn_failed = False
@@ -246,10 +283,16 @@ class SegmentCleaner:
         return proc.pid if proc is not None and self._pid == os.getpid() else None
 
     def wake(self) -> None:
-        """A ready segment was taken, or none was left: the reserve needs refilling."""
+        """A ready segment was taken, or none was left: the reserve needs refilling. The
+        process is told through its wake pipe (a byte, never waited for: a full pipe
+        already holds a wake it has not read yet), the thread by its event."""
         self.ensure_started()
         if self._proc is None:
             self._wake.set()
+            return
+        pipe = self._pipe
+        if pipe is not None:
+            pipe.wake()
 
     def ensure_started(self) -> None:
         """Start what this process lacks: the lease thread, and the reserve's process."""
@@ -270,23 +313,32 @@ class SegmentCleaner:
                     self._proc = self._spawn(tier)
 
     def _spawn(self, tier: Cleaned) -> subprocess.Popen[bytes] | None:
-        args = {"parent": os.getpid(), "sys_path": sys.path, **(self._spec or {})}
+        pipe = WakePipe()
+        wake_r = pipe.read_fd
+        args = {"parent": os.getpid(), "sys_path": sys.path, "wake_fd": wake_r}
+        args.update(self._spec or {})
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, json.dumps(args)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 close_fds=True,
+                pass_fds=(wake_r,),
             )
         except OSError as exc:
+            pipe.close()
             self._spawn_failed = True
             log.warning(
                 "%s tier %s: cleaner process not started (%s): a thread refills the reserve "
                 "(spills compete with this process for the GIL)", tier.name, tier.path, exc,
             )  # fmt: skip
             return None
-        # a tier dropped without close() (a test's, a tool's) ends its cleaner with it
-        weakref.finalize(tier, _end, proc, os.getpid())
+        pipe.close_read_end()  # the process's now
+        if self._ender is not None:
+            self._ender()  # the process that died: its pipe closed (once: a finalizer)
+        self._pipe = pipe
+        # stop() ends it; so does dropping the tier without close() (a test's, a tool's)
+        self._ender = weakref.finalize(tier, _end, proc, os.getpid(), pipe)
         return proc
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
@@ -313,7 +365,11 @@ class SegmentCleaner:
             thread.join()
         if proc is not None and mine:
             self._proc = None
-            _end(proc, os.getpid())
+            ender, self._ender = self._ender, None
+            if ender is not None:
+                ender()
+            else:
+                _end(proc, os.getpid())
 
     def _restart_if_dead(self, tier: Cleaned) -> None:
         """A cleaner process that died (killed, out of memory) is started again, at most
@@ -363,6 +419,7 @@ __all__ = [
     "Cleaned",
     "Emptied",
     "SegmentCleaner",
+    "WakePipe",
     "around_reserve",
     "refill",
     "refill_two",
