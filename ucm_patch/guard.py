@@ -50,6 +50,23 @@ if TYPE_CHECKING:
 
 IDLE, RUNNING, RETURNED = 0, 1, 2
 
+#: Set on an exception raised by the host's own code that a wrapper runs instead of the
+#: original (:func:`host_raised`).
+HOST_ERROR = "_ucm_patch_host_error"
+
+
+def host_raised(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as the host's own error although the original never ran: a wrapper
+    that runs a copy of the host's code (compiled from its source with one line changed)
+    re-raises what that code raised as it is, and the guard propagates it unchanged, as
+    it does the original's own error; without the mark it would call the original again
+    after the copy had changed the host's state halfway."""
+    try:
+        setattr(exc, HOST_ERROR, True)
+    except AttributeError:  # an exception type without a __dict__: counted as ours
+        pass
+    return exc
+
 
 class CallCell:
     """Per-record call state shared by the shim and the guard."""
@@ -140,8 +157,8 @@ def make_recover(
     ) -> Any:
         state, result = cell.state, cell.result
         cell.result = cell.instance = None
-        if state == RUNNING:
-            raise  # the original itself failed: not ours to hide
+        if state == RUNNING or getattr(exc, HOST_ERROR, False):
+            raise  # the original itself failed (or the host's code a wrapper ran): not ours
         cell.broken = True
         on_failure(exc)
         if strict():

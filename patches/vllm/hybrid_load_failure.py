@@ -1,8 +1,9 @@
 """``hybrid_load_failure``: a failed KV load of a hybrid model recomputes its request
-instead of killing vLLM 0.26 - 0.29's engine core (the connector serves hybrid hits from
-0.26: states found by position to 0.28, offered from 0.29).
+instead of killing vLLM 0.22 - 0.29's engine core (the connector serves hybrid hits on 0.22
+and from 0.26: states found by position to 0.28, offered from 0.29; 0.23 - 0.25 refuse
+them at start).
 
-Why: vLLM 0.26 - 0.29 learn of a failed KV-connector load only from the block ids the connector
+Why: vLLM 0.22 - 0.29 learn of a failed KV-connector load only from the block ids the connector
 reports (``get_block_ids_with_load_errors``; ``KVConnectorOutput`` has no
 ``failed_recving`` yet). ``Scheduler._update_requests_with_invalid_blocks`` then unpacks
 one KV-cache group per request, ``(req_block_ids,) = kv_cache_manager.get_block_ids(...)``:
@@ -38,10 +39,10 @@ if TYPE_CHECKING:
 
 NAME = "hybrid_load_failure"
 #: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
-DESCRIPTION = "Recompute a hybrid request whose KV load failed instead of killing vLLM 0.26 - 0.29."
+DESCRIPTION = "Recompute a hybrid request whose KV load failed instead of killing vLLM 0.22 - 0.29."
 
 WHY = (
-    "vLLM 0.26 - 0.29 hear of a failed KV-connector load only as invalid block ids, and "
+    "vLLM 0.22 - 0.29 hear of a failed KV-connector load only as invalid block ids, and "
     "Scheduler._update_requests_with_invalid_blocks unpacks one KV-cache group per request: "
     "on a hybrid model (GDN + attention, several groups) the first failed load raises "
     "ValueError in update_from_output and the engine core dies. With several groups the "
@@ -51,7 +52,7 @@ WHY = (
     "One group: vLLM's code, unchanged."
 )
 REMOVAL = (
-    "Delete with vLLM 0.26 - 0.29 support: from 0.30 vLLM recomputes a multi-group request itself "
+    "Delete with vLLM 0.22 - 0.29 support: from 0.30 vLLM recomputes a multi-group request itself "
     "and takes failed_recving, which the connector reports there."
 )
 RETIRED = (
@@ -133,11 +134,12 @@ RECORDS: tuple[PatchRecord, ...] = table(
     "era target requires upstream expect",
     (
         (
-            "vllm-0.26",
+            "vllm-0.22",
             "vllm.v1.core.sched.scheduler:Scheduler._update_requests_with_invalid_blocks",
-            ">=0.26,<0.30",
-            "vLLM 0.26 - 0.29 (the connector serves hybrid hits from 0.26: states found by "
-            "position to 0.28, offered from 0.29): v1/core/sched/scheduler.py "
+            ">=0.22,<0.30",
+            "vLLM 0.22 - 0.29 (the connector serves hybrid hits on 0.22, with the "
+            "hybrid_async_load patch, and from 0.26: states found by position to 0.28, "
+            "offered from 0.29): v1/core/sched/scheduler.py "
             "_update_requests_with_invalid_blocks "
             "unpacks `(req_block_ids,) = self.kv_cache_manager.get_block_ids(req_id)` "
             '("TODO: add support for hybrid memory allocator"; vllm-project/vllm#50687), '

@@ -10,7 +10,8 @@ version number alone), and each is said once, at start, as a WARNING under vLLM'
   scheduler lets an async load past the mamba align split and keeps its blocks out of
   the step's KV zeroing. Elsewhere (vLLM 0.22's ``_mamba_block_aligned_split`` asserts
   that no external tokens arrive, "External KV connector is not verified yet", so a hit
-  would kill the engine core), and by design with speculative decoding or a hash block
+  would kill the engine core, unless the ``hybrid_async_load`` patch backports 0.23's and
+  0.26's fixes there), and by design with speculative decoding or a hash block
   finer than the mamba block, the connector serves hybrid models as a no-op: no lookup,
   no dump (the pages would be written for nothing), no crash.
 * **Keys across processes**: keys are vLLM's block hashes, chained from ``NONE_HASH``.
@@ -89,6 +90,7 @@ def offers_states(scheduler_output_cls: Any = None) -> bool:
 def hybrid_unsupported_reason(
     vllm_config: Any = None, scheduler_source: str | None = None,
     scheduler_output_cls: Any = None, hash_block_size: int = 0, state_block_size: int = 0,
+    backported: bool | None = None,
 ) -> str | None:  # fmt: skip
     """Why this vLLM cannot give a hybrid model prefix hits, or None when it can.
 
@@ -98,14 +100,21 @@ def hybrid_unsupported_reason(
     0.28), except, by design, with speculative decoding (its mamba blocks move)
     or a hash block finer than the state block (``prefix_match_unit``: a state is
     copied into a block of its own): 0.29's offers follow those moves, a position
-    cannot. ``scheduler_source`` (tests): the scheduler's source instead of vLLM's."""
+    cannot. On vLLM 0.22 the ``hybrid_async_load`` patch gives the scheduler both
+    (:func:`_async_load_backported`; ``backported``, tests: whether it did).
+    ``scheduler_source`` (tests): the scheduler's source instead of vLLM's."""
     if offers_states(scheduler_output_cls):
         return None
     if scheduler_source is None:
         scheduler_source = _scheduler_source()
-    missing = [] if async_load_skips_align_split(scheduler_source) else [SPLIT_MARK]
-    if ZEROING_MARK not in scheduler_source:
-        missing.append(f"{ZEROING_MARK!r}")
+    if backported is None:
+        backported = _async_load_backported()
+    missing = []
+    if not backported:
+        if not async_load_skips_align_split(scheduler_source):
+            missing.append(SPLIT_MARK)
+        if ZEROING_MARK not in scheduler_source:
+            missing.append(f"{ZEROING_MARK!r}")
     if missing:
         return (
             f"hybrid prefix hits need vLLM >= 0.26: this vLLM's SchedulerOutput has no "
@@ -131,6 +140,22 @@ def hybrid_unsupported_reason(
             "for this model: no lookups, no dumps"
         )
     return None
+
+
+#: The patch that gives vLLM 0.22's scheduler what :data:`SPLIT_MARK` and
+#: :data:`ZEROING_MARK` name (patches/vllm/hybrid_async_load.py), as its record ids start.
+BACKPORT_PATCH = "hybrid_async_load@"
+
+
+def _async_load_backported() -> bool:
+    """Whether the ``hybrid_async_load`` patch wraps this process's ``Scheduler.schedule``
+    (the installer marks what it installs with the record's id)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from ucm_patch.installer import MARKER
+
+    installed = Scheduler.__dict__.get("schedule")
+    return str(getattr(installed, MARKER, "")).startswith(BACKPORT_PATCH)
 
 
 def _scheduler_source() -> str:
