@@ -11,26 +11,36 @@ and cached outside the checkout (``~/.cache/ucm_patch/matrix``, or
   it: the same KV bits and split; a recomputation in one pass splits the prefill
   elsewhere, and in bf16 no fixed tolerance holds on every CPU); and, since 0.22.1 seeds
   NONE_HASH randomly per process, a run without ``PYTHONHASHSEED`` prints the connector's
-  warning naming it. Its CPU build cannot run a hybrid model with prefix caching at all
-  (the mamba block copy is a Triton kernel; Triton has no CPU backend), with or without
-  a connector.
+  warning naming it. Hybrid hits too, on both tiny layouts, equal to the exact oracle:
+  its scheduler would kill the engine core on an async hybrid load (the align split's
+  assert) and zero the load's blocks; the ``hybrid_async_load`` patch runs it with
+  0.23's and 0.26's fixes. Its CPU build cannot run a hybrid model with prefix caching
+  at all by itself (the mamba block copy is a Triton kernel; Triton has no CPU backend):
+  the child runs that copy on the host (``matrix_child.host_mamba_block_copy``, what
+  0.26's CPU runner does itself). Its worker runs in a process of its own: counters,
+  ERROR lines and the raising store are set and read there (tests/support/child_probes.py).
 * **0.26.0**, the oldest release whose CPU build runs the tiny 3:1 Qwen3-Next, and
   **0.28.0**, the newest without state offers: the connector finds the states by
   position, each checked against its block's hash; the hybrid hit ends on a stored GDN
   state, with a recomputation's tokens and the exact oracle's logprobs. What decides
   that at start is read from each release's own scheduler: 0.26.0's and 0.28.0's let an
   async load past the align split (each in its own form) and out of the step's zeroing,
-  0.22.1's does neither (hybrid refused there, naming both).
+  0.22.1's does neither (served with the ``hybrid_async_load`` patch; refused, naming
+  both, with it switched off).
 * **0.29.0**, the oldest release with state offers (``kv_connector_block_state``, 0.29's
   dict form): the hybrid hit ends on a stored GDN state, with a recomputation's tokens and
   the exact oracle's logprobs. And the oracle of the positional offers: beside every
   step, 0.29's own offers equal those the connector finds by position on 0.26 - 0.28.
-* **A hybrid load that fails** (issue #36), on 0.29.0 and on this venv's vLLM (0.32): the
+* **A hybrid load that fails** (issue #36), on 0.22.1, 0.26.0, 0.28.0, 0.29.0 and on this
+  venv's vLLM (0.32): the
   stored values are damaged in their segment files between the dump and the load, or the
   store raises on every read. The lookup still offers the prefix and vLLM schedules its
   async load; the load fails, the request is recomputed, and the engine serves the next
   request: both outputs equal a fresh process's without the connector, bit for bit (the
-  same prefill from token 0, the same split). 0.29 reports the failure only as invalid
+  same prefill from token 0, the same split; on 0.22.1 the tokens, and the logprobs bit
+  for bit those of a process with a stand-in connector that never hits: its CPU build
+  computes a prompt a few ULPs apart once any KV connector is configured, every
+  ucm_patch hook switched off too). 0.29 reports the failure only as invalid
   block ids, which its scheduler unpacked as one KV-cache group: the engine core died of a
   ValueError until the ``hybrid_load_failure`` patch (patches/vllm/hybrid_load_failure.py).
 """
