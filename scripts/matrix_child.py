@@ -226,13 +226,55 @@ def run_e2e_dump(model: str, store: str) -> dict[str, Any]:
     return out
 
 
+def _watch_zeroing() -> dict[str, int]:
+    """Beside every step, the blocks of the requests waiting for their async load (vLLM
+    keeps them in ``waiting`` or, 0.22, ``skipped_waiting``) against the step's KV
+    zeroing: ``listed`` of them were in the list vLLM's KV-cache manager gave
+    (``take_new_block_ids``), ``zeroed`` still in the one the worker got
+    (``new_block_ids_to_zero``). A load's blocks zeroed could lose what it wrote (a GPU
+    zeroes on its compute stream while the load writes from its own; this CPU build
+    zeroes nothing, so only the lists can be read here)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    seen = {"load_blocks": 0, "listed": 0, "zeroed": 0}
+    taken: list[int] = []
+    take, update = KVCacheManager.take_new_block_ids, Scheduler.update_from_output
+
+    def take_new_block_ids(self: Any) -> list[int]:
+        ids = take(self)
+        taken[:] = ids
+        return ids
+
+    def update_from_output(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        zero = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+        for queue in (self.waiting, getattr(self, "skipped_waiting", ())):
+            for request in queue:
+                if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    continue
+                per_group = self.kv_cache_manager.get_block_ids(request.request_id)
+                ids = {b for group in per_group for b in group}
+                seen["load_blocks"] += len(ids)
+                seen["listed"] += len(ids & set(taken))
+                seen["zeroed"] += len(ids & zero)
+        taken.clear()
+        return update(self, scheduler_output, *args, **kwargs)
+
+    KVCacheManager.take_new_block_ids = take_new_block_ids  # type: ignore[method-assign]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+    return seen
+
+
 def run_e2e_load(model: str, store: str) -> dict[str, Any]:
+    zeroing = _watch_zeroing()
     llm = _llm(model, _connector_config(store))
     _prefix, _p1, p2 = _prompts(llm)
     return {
         "hit": _generate(llm, p2),
         "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
         "unit": _hit_unit(llm),
+        "zeroing": zeroing,
     }
 
 

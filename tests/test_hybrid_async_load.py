@@ -142,19 +142,27 @@ class Manager:
         return self.blocks[request_id]
 
 
-def _scheduler(waiting: list[tuple[str, Any]]) -> Any:
+def _scheduler(waiting: list[tuple[str, Any]], skipped: list[tuple[str, Any]]) -> Any:
     blocks = {"loading": ([3, 4], [9]), "queued": ([5], [10])}
     return types.SimpleNamespace(
         waiting=[types.SimpleNamespace(request_id=r, status=s) for r, s in waiting],
+        skipped_waiting=[types.SimpleNamespace(request_id=r, status=s) for r, s in skipped],
         kv_cache_manager=Manager(blocks),
     )
 
 
-def test_an_async_loads_blocks_leave_the_steps_zeroing() -> None:
+@pytest.mark.parametrize("queue", ["skipped_waiting", "waiting"])
+def test_an_async_loads_blocks_leave_the_steps_zeroing(queue: str) -> None:
+    """vLLM 0.22's schedule puts a request whose load is async into ``skipped_waiting``
+    (the step's skipped requests, prepended there before the zeroing list is taken)."""
     from vllm.v1.request import RequestStatus
 
     remote, plain = RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING
-    sched = _scheduler([("loading", remote), ("queued", plain)])
+    loading = [("loading", remote)]
+    sched = _scheduler(
+        [*(loading if queue == "waiting" else []), ("queued", plain)],
+        loading if queue == "skipped_waiting" else [],
+    )
     out = types.SimpleNamespace(new_block_ids_to_zero=[1, 2, 3, 4, 5, 9, 10])
     hal.skip_async_load_blocks(sched, out)
     assert out.new_block_ids_to_zero == [1, 2, 5, 10]  # the queued request's are zeroed

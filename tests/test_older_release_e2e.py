@@ -142,6 +142,10 @@ def test_hybrid_hits_on_a_gdn_state_found_by_position(release, version: str, mod
     assert not rm.offers_block_state(version)
     out = rm.check_e2e(run, rm.GDN_MODEL.parent / model, f"e2e_hybrid_{model}")
     assert "refused" not in out, out
+    # the async load's attention blocks were in vLLM's zeroing list, and none reached the
+    # worker's (0.22: the hybrid_async_load patch; 0.26+: vLLM's _skip_zero_block_ids)
+    zeroing = out["zeroing"]
+    assert zeroing["listed"] > 0 and zeroing["zeroed"] == 0, zeroing
     assert out["cached_tokens"] == out["expected_hit_tokens"] > 0, out
     assert out["same_tokens"] and out["stored_files"] > 0, out
     assert out["oracle_cached_tokens"] == out["cached_tokens"] and out["same_as_oracle"], out

@@ -165,17 +165,22 @@ def compile_guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def skip_async_load_blocks(scheduler: Any, output: Any) -> None:
     """Take the blocks of every request waiting for its async load out of the step's KV
-    zeroing (``output.new_block_ids_to_zero``)."""
+    zeroing (``output.new_block_ids_to_zero``). vLLM 0.22 keeps such a request in
+    ``skipped_waiting`` (where ``schedule`` put it this step), not in ``waiting``: both
+    are read."""
     ids = getattr(output, "new_block_ids_to_zero", None)
     if not ids:
         return
+    import itertools
+
     from vllm.v1.request import RequestStatus
 
     waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
     manager = scheduler.kv_cache_manager
+    queues = itertools.chain(scheduler.waiting, getattr(scheduler, "skipped_waiting", ()))
     skip = {
         b
-        for request in scheduler.waiting
+        for request in queues
         if request.status == waiting
         for group in manager.get_block_ids(request.request_id)
         for b in group
