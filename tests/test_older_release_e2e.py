@@ -25,8 +25,9 @@ and cached outside the checkout (``~/.cache/ucm_patch/matrix``, or
   state, with a recomputation's tokens and the exact oracle's logprobs. What decides
   that at start is read from each release's own scheduler: 0.26.0's and 0.28.0's let an
   async load past the align split (each in its own form) and out of the step's zeroing,
-  0.22.1's does neither (served with the ``hybrid_async_load`` patch; refused, naming
-  both, with it switched off).
+  0.22.1's does neither and 0.25.0's only the first (both served with the
+  ``hybrid_async_load`` patch, 0.25.0 on the same host mamba block copy as 0.22.1; refused,
+  naming what is missing, with it switched off).
 * **0.29.0**, the oldest release with state offers (``kv_connector_block_state``, 0.29's
   dict form): the hybrid hit ends on a stored GDN state, with a recomputation's tokens and
   the exact oracle's logprobs. And the oracle of the positional offers: beside every
@@ -94,16 +95,23 @@ def test_0_22_dense_hits_across_processes_and_warns_without_a_hash_seed(release)
 
 
 @pytest.mark.parametrize(
-    ("version", "missing"), [("0.22.1", True), ("0.26.0", False), ("0.28.0", False)]
+    ("version", "era", "split"),
+    [
+        ("0.22.1", "vllm-0.22", True),
+        ("0.25.0", "vllm-0.23", False),
+        ("0.26.0", None, False),
+        ("0.28.0", None, False),
+    ],
 )
 def test_the_marks_of_finding_states_by_position_are_read_from_each_releases_scheduler(
-    release, version: str, missing: bool
+    release, version: str, era: str | None, split: bool
 ) -> None:
     """What the connector checks at start, in the release's own venv: 0.22.1's scheduler
-    asserts on an async load in the align split and zeroes its blocks (hybrid refused,
-    naming both, with the ``hybrid_async_load`` patch switched off; served with it, which
-    the registry reports applied); 0.26.0's and 0.28.0's do neither (each skips the split
-    its own way: hybrid served by position, no patch needed)."""
+    asserts on an async load in the align split and zeroes its blocks, 0.25.0's zeroes
+    them (hybrid refused, naming what is missing, with the ``hybrid_async_load`` patch
+    switched off; served with it, which the registry reports applied, in the era of that
+    release); 0.26.0's and 0.28.0's do neither (each skips the split its own way: hybrid
+    served by position, no patch needed)."""
     run = release(version)
     code = (
         "import ucm_patch; "
@@ -119,25 +127,28 @@ def test_the_marks_of_finding_states_by_position_are_read_from_each_releases_sch
 
     reason, rows = check(run.env)
     assert reason is None, reason
-    if not missing:
-        assert [state for _id, state, _why in rows] == ["skipped-version"], rows  # out of range
+    states = {i: state for i, state, _why in rows}
+    if era is None:
+        assert set(states.values()) == {"skipped-version"}, rows  # out of every era's range
         return
-    assert [(i, state) for i, state, _why in rows] == [("hybrid_async_load@vllm-0.22", "applied")]
+    assert states.pop(f"hybrid_async_load@{era}") == "applied", rows
+    assert set(states.values()) <= {"skipped-version"}, rows  # the other era
     reason, rows = check({**run.env, "UCM_PATCH_HYBRID_ASYNC_LOAD": "0"})
     assert reason is not None and "_skip_zero_block_ids" in reason, reason
-    assert "an async load past the mamba align split" in reason, reason
+    assert ("an async load past the mamba align split" in reason) == split, reason
 
 
-@pytest.mark.parametrize("version", ["0.22.1", "0.26.0", "0.28.0"])
+@pytest.mark.parametrize("version", ["0.22.1", "0.25.0", "0.26.0", "0.28.0"])
 @pytest.mark.parametrize("model", ["tiny-qwen3-next-3to1", "tiny-qwen3-next-mixed"])
 def test_hybrid_hits_on_a_gdn_state_found_by_position(release, version: str, model: str) -> None:
-    """0.22 and 0.26 to 0.28 offer no states: the connector finds each one by position,
+    """0.22 to 0.28 offer no states: the connector finds each one by position,
     checked against the block's hash (SchedulerSide._boundary_offers), and the hit ends
     on it with a recomputation's tokens and the exact oracle's logprobs; on the 3:1
     layout of the released checkpoints (three mamba groups) and on an uneven one
-    (GAGGA). 0.22.1 serves it with the ``hybrid_async_load`` patch, and runs a hybrid
-    model with prefix caching at all here only with its mamba block copy done on the
-    host (``matrix_child.host_mamba_block_copy``: a Triton kernel on its CPU build)."""
+    (GAGGA). 0.22.1 and 0.25.0 serve it with the ``hybrid_async_load`` patch (0.25: its
+    zeroing half only), and run a hybrid model with prefix caching at all here only with
+    their mamba block copy done on the host (``matrix_child.host_mamba_block_copy``: a
+    Triton kernel on their CPU builds)."""
     run = release(version)
     assert not rm.offers_block_state(version)
     out = rm.check_e2e(run, rm.GDN_MODEL.parent / model, f"e2e_hybrid_{model}")

@@ -554,7 +554,8 @@ def test_wake_pipe_never_blocks_and_never_writes_after_close() -> None:
     """A writer's wake is one non-blocking write: a full pipe (wakes not read yet) does
     not raise or wait, and once closed no wake writes to the descriptor number (another
     file may have it by then). The cleaner's Waker returns on a wake, reads every pending
-    one at once, and stops watching a pipe whose writer closed it (no busy loop)."""
+    one at once, and stops watching a pipe whose writer closed it (no busy loop), closing
+    its read end."""
     from ucm_patch.hooks.stores.cleaner_process import Waker
     from ucm_patch.hooks.stores.segment_cleaner import WakePipe
 
@@ -587,6 +588,8 @@ def test_wake_pipe_never_blocks_and_never_writes_after_close() -> None:
         assert time.monotonic() - t < 5
         os.close(w)
         waker.wait(30)  # the writer's end closed: seen, and no longer waited on
+        with pytest.raises(OSError):
+            os.fstat(r)  # its read end closed then, not left open until the cleaner ends
         t = time.monotonic()
         waker.wait(0.2)
         assert time.monotonic() - t >= 0.15

@@ -103,7 +103,8 @@ def test_without_offers_hybrid_hits_need_what_finding_states_by_position_needs(s
     if not missing:
         assert reason is None
     else:
-        assert reason is not None and "need vLLM >= 0.26" in reason
+        assert reason is not None and vllm_support.HYBRID_RELEASES in reason
+        assert "hybrid_async_load patch" in reason and "vLLM >= 0.26" in reason
         for mark in missing:
             assert mark in reason, (mark, reason)
         assert (vllm_support.SPLIT_MARK in reason) == (vllm_support.SPLIT_MARK in missing)

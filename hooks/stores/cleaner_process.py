@@ -136,12 +136,14 @@ class Waker:
 
     def wait(self, timeout: float) -> None:
         """Until a wake or ``timeout``; every pending wake read (one look serves them all).
-        A writer's pipe closed (its process ended) is no longer waited on."""
+        A writer's pipe closed (its process ended) is no longer waited on, and its read
+        end is closed then."""
         ready = select.select(self._fds, [], [], timeout)[0]
         for fd in ready:
             try:
                 if os.read(fd, 4096) == b"":
                     self._fds.remove(fd)
+                    os.close(fd)
             except BlockingIOError:
                 pass
 

@@ -1,6 +1,7 @@
 """``hybrid_async_load``: an async KV load of a hybrid model gets past vLLM 0.22's mamba
-align split and out of its step's KV zeroing, as vLLM 0.26 lets it (the connector then
-serves hybrid hits on 0.22, finding the states by position as on 0.26 - 0.28).
+align split, and on 0.22 - 0.25 out of its step's KV zeroing, as vLLM 0.26 lets it (the
+connector then serves hybrid hits on 0.22 - 0.25, finding the states by position as on
+0.26 - 0.28).
 
 Why: a hybrid model's hit (Qwen3-Next: GDN + attention, several KV-cache groups) loads
 asynchronously (``load_kv_async``: vLLM cannot recompute the blocks of a synchronous load
@@ -23,6 +24,11 @@ traceback lines are the file's own). After it returns, the blocks of every reque
 waits for its async load are taken out of ``new_block_ids_to_zero``
 (0.26's ``_skip_zero_block_ids``): the blocks a step allocates for a waiting async load
 are the load's targets only (its ``num_new_tokens`` is 0).
+
+vLLM 0.23 - 0.25 skip the split for an async load already (``and not load_kv_async``) but
+still zero its blocks in the step that allocates them: their record (era ``vllm-0.23``)
+runs vLLM's own ``schedule`` and then the same zeroing filter, after checking at apply
+time that the split is the guarded one (:func:`check_split_guarded`).
 """
 
 from __future__ import annotations
@@ -42,8 +48,8 @@ if TYPE_CHECKING:
 NAME = "hybrid_async_load"
 #: The patch set's one-line description (docs/PATCHES.md, ucm-patch status).
 DESCRIPTION = (
-    "Let a hybrid model's async KV load past vLLM 0.22's mamba align split and out of its "
-    "step's KV zeroing."
+    "Let a hybrid model's async KV load past vLLM 0.22's mamba align split, and out of its "
+    "step's KV zeroing on 0.22 - 0.25."
 )
 
 WHY = (
@@ -63,6 +69,18 @@ RETIRED = (
     "vLLM 0.23: `if self.need_mamba_block_aligned_split and not load_kv_async`; vLLM 0.26: "
     "Scheduler._skip_zero_block_ids (get_zeroing_block_ids_in_range)."
 )
+
+WHY_ZEROING = (
+    "vLLM 0.23 - 0.25's Scheduler.schedule lists the blocks a step allocates for a request "
+    "waiting for its async KV load (a hybrid model's hit) in new_block_ids_to_zero: on a "
+    "GPU the zeroing runs on the compute stream while the load writes from its own, so it "
+    "could wipe what the load wrote. The patch drops those blocks from the list after "
+    "vLLM's own schedule returns (vLLM 0.26's _skip_zero_block_ids)."
+)
+REMOVAL_ZEROING = (
+    "Delete with vLLM 0.25 support: 0.26 keeps an async load's blocks out of the zeroing."
+)
+RETIRED_ZEROING = "vLLM 0.26: Scheduler._skip_zero_block_ids (get_zeroing_block_ids_in_range)."
 
 #: What the connector reads to know that this vLLM's schedule was patched so
 #: (``ucm_patch.connector.vllm_support``): the record's name, the prefix of its ids.
@@ -97,22 +115,60 @@ def _splits_external(body: list[ast.stmt]) -> bool:
     )  # fmt: skip
 
 
+def _assigns_async(tree: ast.Module) -> bool:
+    import ast
+
+    return any(
+        isinstance(n, ast.Name) and n.id == _ASYNC and isinstance(n.ctx, ast.Store)
+        for n in ast.walk(tree)
+    )
+
+
+def _unguarded_splits(tree: ast.Module) -> list[ast.If]:
+    """The ``if self.need_mamba_block_aligned_split:`` blocks (the flag alone) whose body
+    splits with the external tokens: vLLM 0.22's waiting loop has one, 0.23+ none."""
+    import ast
+
+    return [
+        n for n in ast.walk(tree)
+        if isinstance(n, ast.If) and _is_flag(n.test) and _splits_external(n.body)
+    ]  # fmt: skip
+
+
+def _skips_split_for_async(tree: ast.Module) -> bool:
+    """The waiting loop never splits for an async load: a split under ``if ... and not
+    load_kv_async`` (vLLM 0.23 - 0.26), or only in the branch after ``if load_kv_async:``
+    (0.27+); the rule the connector reads at start
+    (``vllm_support.async_load_skips_align_split``)."""
+    import ast
+
+    def negates_async(test: ast.expr) -> bool:
+        return any(
+            isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not)
+            and isinstance(n.operand, ast.Name) and n.operand.id == _ASYNC
+            for n in ast.walk(test)
+        )  # fmt: skip
+
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If):
+            continue
+        if negates_async(node.test) and _splits_external(node.body):
+            return True
+        is_async = isinstance(node.test, ast.Name) and node.test.id == _ASYNC
+        if is_async and _splits_external(node.orelse) and not _splits_external(node.body):
+            return True
+    return False
+
+
 def guard_split(tree: ast.Module) -> str | None:
     """Change the waiting loop's ``if self.need_mamba_block_aligned_split:`` (whose body
     splits with the external tokens) into ``... and not load_kv_async``, in place: None
     when done, else why it cannot be (the shape it needs, named)."""
     import ast
 
-    assigns_async = any(
-        isinstance(n, ast.Name) and n.id == _ASYNC and isinstance(n.ctx, ast.Store)
-        for n in ast.walk(tree)
-    )
-    if not assigns_async:
+    if not _assigns_async(tree):
         return f"Scheduler.schedule no longer sets {_ASYNC}"
-    found = [
-        n for n in ast.walk(tree)
-        if isinstance(n, ast.If) and _is_flag(n.test) and _splits_external(n.body)
-    ]  # fmt: skip
+    found = _unguarded_splits(tree)
     if len(found) != 1:
         return (
             f"Scheduler.schedule has {len(found)} `if self.{_FLAG}:` blocks calling "
@@ -163,24 +219,20 @@ def compile_guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def skip_async_load_blocks(scheduler: Any, output: Any) -> None:
-    """Take the blocks of every request waiting for its async load out of the step's KV
-    zeroing (``output.new_block_ids_to_zero``). vLLM 0.22 keeps such a request in
-    ``skipped_waiting`` (where ``schedule`` put it this step), not in ``waiting``: both
-    are read."""
+def skip_async_load_blocks(scheduler: Any, output: Any, waiting: Any) -> None:
+    """Take the blocks of every request waiting for its async load (status ``waiting``,
+    vLLM's ``RequestStatus.WAITING_FOR_REMOTE_KVS``, bound at apply time: nothing is
+    imported per step) out of the step's KV zeroing (``output.new_block_ids_to_zero``).
+    vLLM 0.22 keeps such a request in ``skipped_waiting`` (where ``schedule`` put it this
+    step), not in ``waiting``: both are read."""
     ids = getattr(output, "new_block_ids_to_zero", None)
     if not ids:
         return
-    import itertools
-
-    from vllm.v1.request import RequestStatus
-
-    waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
     manager = scheduler.kv_cache_manager
-    queues = itertools.chain(scheduler.waiting, getattr(scheduler, "skipped_waiting", ()))
     skip = {
         b
-        for request in queues
+        for queue in (scheduler.waiting, getattr(scheduler, "skipped_waiting", ()))
+        for request in queue
         if request.status == waiting
         for group in manager.get_block_ids(request.request_id)
         for b in group
@@ -194,8 +246,11 @@ def make_schedule_wrapper() -> Wrapper:
     time, so that another shape fails the patch at start), then
     :func:`skip_async_load_blocks`."""
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
 
     from ucm_patch.guard import host_raised
+
+    waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
 
     original = Scheduler.__dict__["schedule"]
     original = getattr(original, "__wrapped__", original)
@@ -213,7 +268,58 @@ def make_schedule_wrapper() -> Wrapper:
             # error, propagated as it is, never run again by the call-time guard
             host_raised(exc)
             raise
-        skip_async_load_blocks(instance, output)
+        skip_async_load_blocks(instance, output, waiting)
+        return output
+
+    return schedule
+
+
+def check_split_guarded(fn: Callable[..., Any]) -> None:
+    """``fn`` (vLLM 0.23 - 0.25's ``Scheduler.schedule``) already skips the waiting loop's
+    align split for an async load and lists ``new_block_ids_to_zero``: SignatureChanged
+    (the patch is then ``failed``) otherwise, naming what differs."""
+    import ast
+    import inspect
+    import textwrap
+
+    from ucm_patch.installer import SignatureChanged  # apply time: not on import ucm_patch
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError) as exc:
+        raise SignatureChanged(f"Scheduler.schedule's source cannot be read: {exc}") from exc
+    if not _assigns_async(tree):
+        raise SignatureChanged(f"Scheduler.schedule no longer sets {_ASYNC}")
+    if not _skips_split_for_async(tree):
+        raise SignatureChanged(
+            f"Scheduler.schedule runs {_SPLIT} for an async load (vLLM 0.22's shape: the "
+            "vllm-0.22 record's)"
+        )
+    zeroing = "new_block_ids_to_zero"  # a local, or SchedulerOutput's keyword
+    if not any(
+        (isinstance(n, ast.Name) and n.id == zeroing)
+        or (isinstance(n, ast.keyword) and n.arg == zeroing)
+        for n in ast.walk(tree)
+    ):
+        raise SignatureChanged(f"Scheduler.schedule no longer builds {zeroing}")
+
+
+def make_zeroing_wrapper() -> Wrapper:
+    """``Scheduler.schedule`` of vLLM 0.23 - 0.25 (checked by :func:`check_split_guarded`
+    at apply time): vLLM's own, then :func:`skip_async_load_blocks`."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    original = Scheduler.__dict__["schedule"]
+    check_split_guarded(getattr(original, "__wrapped__", original))
+    waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def schedule(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        output = wrapped(*args, **kwargs)
+        if getattr(instance, "need_mamba_block_aligned_split", False):
+            skip_async_load_blocks(instance, output, waiting)
         return output
 
     return schedule
@@ -236,6 +342,23 @@ RECORDS: tuple[PatchRecord, ...] = table(
             "0.26 adds _skip_zero_block_ids (KVCacheManager.get_zeroing_block_ids_in_range) "
             "for the blocks an async load overwrites.",
             (leading(PARAMS),),
+        ),
+        (
+            "vllm-0.23",
+            "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+            ">=0.23,<0.26",
+            "vLLM 0.23 - 0.25: v1/core/sched/scheduler.py Scheduler.schedule's waiting loop "
+            "splits under `if self.need_mamba_block_aligned_split and not load_kv_async`, "
+            "puts an async load's request into skipped_waiting and builds "
+            "new_block_ids_to_zero from KVCacheManager.take_new_block_ids(), the load's "
+            "blocks included; 0.26 adds _skip_zero_block_ids.",
+            (leading(PARAMS),),
+            {
+                "make_wrapper": make_zeroing_wrapper,
+                "why": WHY_ZEROING,
+                "removal": REMOVAL_ZEROING,
+                "retired": RETIRED_ZEROING,
+            },
         ),
     ),
     make_wrapper=make_schedule_wrapper,

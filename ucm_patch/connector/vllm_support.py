@@ -29,6 +29,10 @@ from typing import Any
 
 #: The vLLM release that first offers boundary states (``kv_connector_block_state``).
 HYBRID_SINCE = "0.29"
+#: The releases that serve hybrid prefix hits, as a refusal names them: 0.22 - 0.25 through
+#: the ``hybrid_async_load`` patch (patches/vllm/hybrid_async_load.py: 0.22's split and
+#: zeroing, 0.23 - 0.25's zeroing), 0.26 on by their own scheduler.
+HYBRID_RELEASES = "vLLM 0.22 - 0.25 with the hybrid_async_load patch applied, or vLLM >= 0.26"
 
 #: What a scheduler without state offers must show in its own source for the connector to
 #: find the states by position instead (:meth:`SchedulerSide._boundary_offers`), besides
@@ -100,7 +104,7 @@ def hybrid_unsupported_reason(
     0.28), except, by design, with speculative decoding (its mamba blocks move)
     or a hash block finer than the state block (``prefix_match_unit``: a state is
     copied into a block of its own): 0.29's offers follow those moves, a position
-    cannot. On vLLM 0.22 the ``hybrid_async_load`` patch gives the scheduler both
+    cannot. On vLLM 0.22 - 0.25 the ``hybrid_async_load`` patch gives the scheduler both
     (:func:`_async_load_backported`; ``backported``, tests: whether it did).
     ``scheduler_source`` (tests): the scheduler's source instead of vLLM's."""
     if offers_states(scheduler_output_cls):
@@ -117,12 +121,14 @@ def hybrid_unsupported_reason(
             missing.append(f"{ZEROING_MARK!r}")
     if missing:
         return (
-            f"hybrid prefix hits need vLLM >= 0.26: this vLLM's SchedulerOutput has no "
+            f"hybrid prefix hits need {HYBRID_RELEASES}: this vLLM's SchedulerOutput has no "
             "kv_connector_block_state (the GDN/Mamba states at block boundaries that a hit "
             "must load, offered from 0.29), and its scheduler lacks what finding them by "
             f"position needs: {' and '.join(missing)} (the align split asserts 'External "
             "KV connector is not verified yet' on 0.22; before 0.26 the step's KV zeroing "
-            "of an async load's blocks could race the load). The connector stays idle for "
+            "of an async load's blocks could race the load; on 0.22 - 0.25 the "
+            "hybrid_async_load patch backports what is missing unless switched off or "
+            "failed: ucm-patch status says which). The connector stays idle for "
             "this model: no lookups, no dumps"
         )
     if getattr(vllm_config, "speculative_config", None) is not None:
