@@ -102,10 +102,16 @@ def token_ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(4, 1000) for _ in range(n)]
 
 
-def _llm(model: str, kv_transfer_config: Any, max_num_batched_tokens: int = MAX_MODEL_LEN) -> Any:
+def _llm(
+    model: str,
+    kv_transfer_config: Any,
+    max_num_batched_tokens: int = MAX_MODEL_LEN,
+    num_gpu_blocks_override: int | None = None,
+) -> Any:
     from vllm import LLM
 
     return LLM(
+        num_gpu_blocks_override=num_gpu_blocks_override,
         model=model,
         dtype="bfloat16",  # Qwen3-Next on vLLM CPU needs it; the tiny Qwen3 is bf16 too
         max_model_len=MAX_MODEL_LEN,
@@ -355,12 +361,28 @@ def _shadow_state_offers() -> dict[str, Any]:
     """Beside every step with vLLM's own state offers (``kv_connector_block_state``, vLLM
     >= 0.29), the offers the connector finds by position where vLLM gives none
     (``SchedulerSide._boundary_offers``, vLLM 0.26 - 0.28), compared per request and
-    step: the returned record fills as vLLM runs. Counted: steps compared, offers
-    vLLM made, and every difference (the first 20)."""
+    step: the returned record fills as vLLM runs. Compared twice: the offers as made
+    (``offers`` and ``positional`` count them, ``offer_differences`` lists the first 20
+    that differ), and the state dumps each would start (``SchedulerSide._state_dumps`` on
+    a copy of the request's record, after the same rewind the step makes: an offer of a
+    boundary already stored for the request starts none), whose differences (the first
+    20) are ``differences``."""
+    import types
+
     from ucm_patch.connector.scheduler_side import SchedulerSide
 
-    seen: dict[str, Any] = {"steps": 0, "offers": 0, "positional": 0, "differences": []}
+    seen: dict[str, Any] = {
+        "steps": 0, "offers": 0, "positional": 0, "dumps": 0,
+        "differences": [], "offer_differences": [],
+    }  # fmt: skip
     plan = SchedulerSide._plan_dumps
+
+    def would_dump(self: Any, st: Any, start: int | None, items: list[Any]) -> list[Any]:
+        done = dict(st.state_done)
+        if start is not None:  # scheduled: the step rewinds to its start first (_rewind)
+            done = {gid: min(boundary, start) for gid, boundary in done.items()}
+        record = types.SimpleNamespace(request=st.request, state_done=done)
+        return sorted(SchedulerSide._state_dumps(self, record, items))
 
     def compare(self: Any, so: Any, md: Any, block_state: Any) -> None:
         if block_state is not None and self.layout.mamba_groups and self._pool is not None:
@@ -372,16 +394,24 @@ def _shadow_state_offers() -> dict[str, Any]:
             seen["steps"] += 1
             for rid in set(so.num_scheduled_tokens) | set(offers):
                 st, ids = self._reqs.get(rid), self._block_ids(rid, block_state)
+                scheduled = rid in so.num_scheduled_tokens
                 end = computed.get(rid, 0) + so.num_scheduled_tokens.get(rid, 0)
                 end -= len(spec.get(rid, ()))
                 mine = sorted(self._boundary_offers(st, ids, end)) if st and ids else []
                 theirs = sorted(tuple(int(x) for x in item) for item in offers.get(rid, ()))
                 seen["offers"] += len(theirs)
                 seen["positional"] += len(mine)
-                if mine != theirs and len(seen["differences"]) < 20:
-                    seen["differences"].append(
-                        {"request": rid, "end": end, "vllm": theirs, "positional": mine}
-                    )
+                diff = {"request": rid, "end": end, "vllm": theirs, "positional": mine}
+                if mine != theirs and len(seen["offer_differences"]) < 20:
+                    seen["offer_differences"].append(diff)
+                if st is None:
+                    continue
+                start = computed.get(rid, 0) if scheduled else None
+                ours = would_dump(self, st, start, mine) if scheduled else []
+                vllms = would_dump(self, st, start, theirs)
+                seen["dumps"] += len(vllms)
+                if ours != vllms and len(seen["differences"]) < 20:
+                    seen["differences"].append({**diff, "dumps": [vllms, ours]})
         plan(self, so, md, block_state)
 
     SchedulerSide._plan_dumps = compare  # type: ignore[method-assign]
@@ -395,7 +425,8 @@ def run_state_oracle(model: str, store: str, trace: str) -> dict[str, Any]:
     requests sharing a prefix in one step, a decode that crosses a block boundary, and an
     async hit from the store followed by a local hit on the loaded prefix;
     ``chunked:BLOCK``: a prefill of one block (``BLOCK`` tokens, the block size the
-    ``steps`` run reported) per step."""
+    ``steps`` run reported) per step; ``preempt:BLOCKS``: two requests in a KV cache of
+    ``BLOCKS`` blocks, one preempted (:func:`_preempted`)."""
     from vllm import SamplingParams
 
     seen = _shadow_state_offers()
@@ -406,8 +437,11 @@ def run_state_oracle(model: str, store: str, trace: str) -> dict[str, Any]:
         _generate(llm, token_ids(9, 3 * block + 5))
         _wait_for_dumps()
         return {**seen, "block_size": block}
+    if trace.startswith("preempt:"):
+        preempted = _preempted(model, store, int(trace.split(":", 1)[1]))
+        return {**seen, **preempted}
     if trace != "steps":
-        raise SystemExit(f"unknown trace {trace!r} (steps, chunked:BLOCK)")
+        raise SystemExit(f"unknown trace {trace!r} (steps, chunked:BLOCK, preempt:BLOCKS)")
     llm = _llm(model, _connector_config(store))
     block = llm.llm_engine.vllm_config.cache_config.block_size
     prefix, p1, p2 = _prompts(llm)
@@ -424,6 +458,38 @@ def run_state_oracle(model: str, store: str, trace: str) -> dict[str, Any]:
     again = _generate(llm, _third(prefix))  # a local hit on the loaded prefix
     _wait_for_dumps()
     return {**seen, "block_size": block, "hit": hit, "again": again, "prefix_len": len(prefix)}
+
+
+def _preempted(model: str, store: str, blocks: int) -> dict[str, Any]:
+    """Two requests decoding at once in a KV cache of ``blocks`` blocks: when their
+    decodes cross a block boundary the cache runs out, vLLM preempts one (its blocks
+    freed, its tokens computed again when it is scheduled again) and finishes both.
+    Counted: the preemptions (``Scheduler._preempt_request`` calls) and the tokens each
+    request produced."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    llm = _llm(model, _connector_config(store), num_gpu_blocks_override=blocks)
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    preemptions = [0]
+    preempt = Scheduler._preempt_request
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        preemptions[0] += 1
+        return preempt(self, *args, **kwargs)
+
+    Scheduler._preempt_request = counted  # type: ignore[method-assign]
+    prompts = [{"prompt_token_ids": token_ids(20 + i, 2 * block - 4)} for i in range(2)]
+    decode = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
+    outputs = llm.generate(prompts, decode, use_tqdm=False)
+    _wait_for_dumps()
+    return {
+        "block_size": block,
+        "blocks": blocks,
+        "max_tokens": decode.max_tokens,
+        "preemptions": preemptions[0],
+        "tokens": [len(o.outputs[0].token_ids) for o in outputs],
+    }
 
 
 def run_reference(model: str, connector: str = "") -> dict[str, Any]:

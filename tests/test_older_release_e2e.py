@@ -31,7 +31,9 @@ and cached outside the checkout (``~/.cache/ucm_patch/matrix``, or
 * **0.29.0**, the oldest release with state offers (``kv_connector_block_state``, 0.29's
   dict form): the hybrid hit ends on a stored GDN state, with a recomputation's tokens and
   the exact oracle's logprobs. And the oracle of the positional offers: beside every
-  step, 0.29's own offers equal those the connector finds by position on 0.26 - 0.28.
+  step, 0.29's own offers equal those the connector finds by position on 0.22 - 0.28, and
+  after preemptions, where 0.29 offers a resumed request's stored boundaries again, the
+  state dumps both start are equal.
 * **A hybrid load that fails** (issue #36), on 0.22.1, 0.26.0, 0.28.0, 0.29.0 and on this
   venv's vLLM (0.32): the
   stored values are damaged in their segment files between the dump and the load, or the
@@ -164,13 +166,25 @@ def test_hybrid_hits_on_a_gdn_state_found_by_position(release, version: str, mod
     assert out["ok"], out
 
 
+#: The KV caches of the preemption traces, in blocks (matrix_child._preempted): two
+#: prompts of two blocks less 4 tokens fit, their decodes crossing into a third block do
+#: not. With 16 one request is preempted once; with 12 they are preempted in turn, each
+#: resumed on its prefix (from the store or the local cache), and vLLM 0.29 offers the
+#: resumed request's earlier boundary states again.
+PREEMPT_BLOCKS = (16, 12)
+
+
 def test_states_found_by_position_equal_the_states_vllm_offers(release) -> None:
     """The oracle of the positional offers (vLLM 0.26 - 0.28): on 0.29, the oldest release
     that offers the states itself, every step's offers are compared with those the
     connector finds by position, over a prefill of several blocks in one step, two
     requests sharing a prefix in one step, a decode crossing a block boundary, an async
-    hit from the store then a local hit on the loaded prefix, and a chunked prefill of one
-    block per step. They must be equal, and every trace must offer states."""
+    hit from the store then a local hit on the loaded prefix, a chunked prefill of one
+    block per step, and two requests whose decodes cross a block boundary in a KV cache
+    too small for both (:data:`PREEMPT_BLOCKS` blocks: vLLM preempts one, frees its
+    blocks and computes it again). The offers must be equal, and every trace must offer
+    states; where vLLM offers a boundary again that the request already stored (after a
+    preemption), the state dumps the two sets of offers start must be equal."""
     run = release("0.29.0")
     model, store = str(rm.GDN_MODEL), run.work / "oracle-store"
     shutil.rmtree(store, ignore_errors=True)
@@ -186,11 +200,21 @@ def test_states_found_by_position_equal_the_states_vllm_offers(release) -> None:
     assert steps["again"]["num_cached_tokens"] >= block, steps["again"]  # on the loaded prefix
     chunked = trace(f"chunked:{block}")
     for out in (steps, chunked):
-        assert out["differences"] == [], out["differences"]
-        assert out["offers"] == out["positional"] > 0, out
+        assert out["offer_differences"] == [] and out["differences"] == [], out
+        assert out["offers"] == out["positional"] == out["dumps"] > 0, out
         assert "logged_error" not in out, out["logged_error"]
     # the chunked prefill of 3 blocks and a tail offers each boundary it ends on
     assert chunked["offers"] >= 3, chunked
+    for blocks in PREEMPT_BLOCKS:
+        preempted = trace(f"preempt:{blocks}")
+        assert preempted["preemptions"] >= 1, preempted  # the trace is what it says
+        assert preempted["tokens"] == [preempted["max_tokens"]] * 2, preempted  # both done
+        # vLLM offers a resumed request's boundaries again (already stored for it: no dump
+        # starts); the dumps either way are the same
+        assert preempted["differences"] == [], preempted["differences"]
+        assert preempted["dumps"] == preempted["positional"] > 0, preempted
+        assert preempted["offers"] >= preempted["positional"], preempted
+        assert "logged_error" not in preempted, preempted["logged_error"]
 
 
 def test_0_29_hybrid_hits_on_a_stored_gdn_state(release) -> None:
