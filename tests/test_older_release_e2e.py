@@ -34,7 +34,7 @@ and cached outside the checkout (``~/.cache/ucm_patch/matrix``, or
   step, 0.29's own offers equal those the connector finds by position on 0.22 - 0.28, and
   after preemptions, where 0.29 offers a resumed request's stored boundaries again, the
   state dumps both start are equal.
-* **A hybrid load that fails** (issue #36), on 0.22.1, 0.26.0, 0.28.0, 0.29.0 and on this
+* **A hybrid load that fails** (issue #36), on 0.22.1, 0.25.0, 0.26.0, 0.28.0, 0.29.0 and on this
   venv's vLLM (0.32): the
   stored values are damaged in their segment files between the dump and the load, or the
   store raises on every read. The lookup still offers the prefix and vLLM schedules its
@@ -303,7 +303,7 @@ def _failed_load(load: dict[str, Any], how: str) -> None:
         assert stats["load_exceptions"] >= 1, stats
 
 
-@pytest.mark.parametrize("version", ["0.22.1", "0.26.0", "0.28.0", "0.29.0", "this venv"])
+@pytest.mark.parametrize("version", ["0.22.1", "0.25.0", "0.26.0", "0.28.0", "0.29.0", "this venv"])
 @pytest.mark.parametrize("how", ["stored", "raising"])
 def test_a_failed_hybrid_load_is_recomputed_and_the_engine_serves_on(
     failed_loads, version: str, how: str
@@ -329,7 +329,7 @@ def test_a_failed_hybrid_load_is_recomputed_and_the_engine_serves_on(
     assert "logged_error" not in load, load["logged_error"]
 
 
-@pytest.mark.parametrize("version", ["0.22.1", "0.26.0", "0.28.0", "0.29.0", "this venv"])
+@pytest.mark.parametrize("version", ["0.22.1", "0.25.0", "0.26.0", "0.28.0", "0.29.0", "this venv"])
 def test_under_the_fail_policy_a_failed_hybrid_load_fails_its_request_only(
     failed_loads, version: str
 ) -> None:
