@@ -28,9 +28,10 @@ Usage (the repository root on ``PYTHONPATH``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0
   process: what ``e2e-load-fail`` must print (``standin``: with the tests' stand-in
   connector, which never hits: vLLM 0.22's CPU build computes a prompt a few ULPs apart
   once any KV connector is configured, with every ucm_patch hook switched off too).
-* ``state-oracle MODEL STORE TRACE OUT`` (a release with state offers, vLLM >= 0.29): beside
-  every step, vLLM's own boundary-state offers against those the connector finds by
-  position on 0.26 - 0.28, over the traces of :func:`run_state_oracle`.
+* ``state-oracle MODEL STORE TRACE OUT``: one of the traces of :func:`run_state_oracle`;
+  the state dumps the connector starts, on every release; and on a release with state
+  offers (vLLM >= 0.29), beside every step, vLLM's own boundary-state offers against those
+  the connector finds by position on 0.22 - 0.28.
 
 Why a separate script and a ``__main__`` guard: some vLLM releases (0.22 on CPU) start a
 worker process even in single-process mode, and a spawned worker re-imports the main
@@ -375,14 +376,14 @@ def _shadow_state_offers() -> dict[str, Any]:
         "steps": 0, "offers": 0, "positional": 0, "dumps": 0,
         "differences": [], "offer_differences": [],
     }  # fmt: skip
-    plan = SchedulerSide._plan_dumps
+    plan, state_dumps = SchedulerSide._plan_dumps, SchedulerSide._state_dumps
 
     def would_dump(self: Any, st: Any, start: int | None, items: list[Any]) -> list[Any]:
         done = dict(st.state_done)
         if start is not None:  # scheduled: the step rewinds to its start first (_rewind)
             done = {gid: min(boundary, start) for gid, boundary in done.items()}
         record = types.SimpleNamespace(request=st.request, state_done=done)
-        return sorted(SchedulerSide._state_dumps(self, record, items))
+        return sorted(state_dumps(self, record, items))
 
     def compare(self: Any, so: Any, md: Any, block_state: Any) -> None:
         if block_state is not None and self.layout.mamba_groups and self._pool is not None:
@@ -418,6 +419,32 @@ def _shadow_state_offers() -> dict[str, Any]:
     return seen
 
 
+def _record_state_dumps() -> list[list[Any]]:
+    """Every state dump the connector starts (``SchedulerSide._state_dumps``, from vLLM's
+    offers on 0.29+, from those found by position before), as ``[prompt, group,
+    boundary]``: ``prompt`` names the request by its prompt (its length and first token
+    ids), so that the dumps of one trace compare across releases and processes. The
+    returned list fills as vLLM runs."""
+    from ucm_patch.connector.scheduler_side import SchedulerSide
+
+    dumps: list[list[Any]] = []
+    state_dumps = SchedulerSide._state_dumps
+
+    def recorded(self: Any, st: Any, items: Any) -> list[Any]:
+        prompt = st.request.prompt_token_ids
+        name = f"{len(prompt)}:{','.join(str(t) for t in prompt[:4])}"
+        out = []
+        for item in items:  # one at a time: the entries it starts are the items it keeps
+            started = state_dumps(self, st, [item])
+            if started:
+                dumps.append([name, int(item[0]), int(item[2])])
+            out += started
+        return out
+
+    SchedulerSide._state_dumps = recorded  # type: ignore[method-assign]
+    return dumps
+
+
 def run_state_oracle(model: str, store: str, trace: str) -> dict[str, Any]:
     """vLLM's own state offers against the positional ones (:func:`_shadow_state_offers`)
     over the traces that place states differently. ``trace`` ``steps``: a prefill of
@@ -430,6 +457,7 @@ def run_state_oracle(model: str, store: str, trace: str) -> dict[str, Any]:
     from vllm import SamplingParams
 
     seen = _shadow_state_offers()
+    seen["state_dumps"] = _record_state_dumps()  # after: the shadow's copies go unrecorded
     if trace.startswith("chunked:"):  # the block size vLLM chose, from the "steps" run
         block = int(trace.split(":", 1)[1])
         llm = _llm(model, _connector_config(store), max_num_batched_tokens=block)
@@ -537,7 +565,11 @@ def main(argv: list[str]) -> int:
     elif mode == "reference":
         result = run_reference(*args)
     elif mode == "state-oracle":
+        from ucm_patch import connector
+
         result = run_state_oracle(*args)
+        # blocks found by position whose hash was not the state's (counted, never dumped)
+        result["state_offer_mismatches"] = connector.stats().get("state_offer_mismatches", 0)
     else:
         raise SystemExit(
             f"unknown mode {mode!r} (gdn, e2e-dump, e2e-load, e2e-load-fail, plain, reference, "

@@ -174,8 +174,38 @@ def test_hybrid_hits_on_a_gdn_state_found_by_position(release, version: str, mod
 PREEMPT_BLOCKS = (16, 12)
 
 
-def test_states_found_by_position_equal_the_states_vllm_offers(release) -> None:
-    """The oracle of the positional offers (vLLM 0.26 - 0.28): on 0.29, the oldest release
+@pytest.fixture(scope="module")
+def state_traces(release) -> Callable[[str], dict[str, dict[str, Any]]]:
+    """``state_traces(version)``: every trace of ``matrix_child.run_state_oracle`` run on
+    that release, each in a fresh process on a store of its own (``steps``, ``chunked``
+    at the block size ``steps`` reported, and ``preempt`` at each of
+    :data:`PREEMPT_BLOCKS`), by name."""
+    done: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def get(version: str) -> dict[str, dict[str, Any]]:
+        if version in done:
+            return done[version]
+        run = release(version)
+        model, seed = str(rm.GDN_MODEL), {"PYTHONHASHSEED": "0"}
+
+        def trace(name: str) -> dict[str, Any]:
+            store = run.work / f"oracle-store-{name.replace(':', '-')}"
+            shutil.rmtree(store, ignore_errors=True)
+            args = ["state-oracle", model, str(store), name]
+            return rm.run_child(run, f"oracle {name}", args, run.work / "oracle.json", seed)
+
+        out = {"steps": trace("steps")}
+        out["chunked"] = trace(f"chunked:{out['steps']['block_size']}")
+        for blocks in PREEMPT_BLOCKS:
+            out[f"preempt:{blocks}"] = trace(f"preempt:{blocks}")
+        done[version] = out
+        return out
+
+    return get
+
+
+def test_states_found_by_position_equal_the_states_vllm_offers(state_traces) -> None:
+    """The oracle of the positional offers (vLLM 0.22 - 0.28): on 0.29, the oldest release
     that offers the states itself, every step's offers are compared with those the
     connector finds by position, over a prefill of several blocks in one step, two
     requests sharing a prefix in one step, a decode crossing a block boundary, an async
@@ -185,20 +215,11 @@ def test_states_found_by_position_equal_the_states_vllm_offers(release) -> None:
     blocks and computes it again). The offers must be equal, and every trace must offer
     states; where vLLM offers a boundary again that the request already stored (after a
     preemption), the state dumps the two sets of offers start must be equal."""
-    run = release("0.29.0")
-    model, store = str(rm.GDN_MODEL), run.work / "oracle-store"
-    shutil.rmtree(store, ignore_errors=True)
-    seed = {"PYTHONHASHSEED": "0"}
-
-    def trace(name: str) -> dict[str, Any]:
-        args = ["state-oracle", model, str(store), name]
-        return rm.run_child(run, f"oracle {name}", args, run.work / "oracle.json", seed)
-
-    steps = trace("steps")
+    traces = state_traces("0.29.0")
+    steps, chunked = traces["steps"], traces["chunked"]
     block = steps["block_size"]
     assert steps["hit"]["num_cached_tokens"] >= block, steps["hit"]  # from the store
     assert steps["again"]["num_cached_tokens"] >= block, steps["again"]  # on the loaded prefix
-    chunked = trace(f"chunked:{block}")
     for out in (steps, chunked):
         assert out["offer_differences"] == [] and out["differences"] == [], out
         assert out["offers"] == out["positional"] == out["dumps"] > 0, out
@@ -206,7 +227,7 @@ def test_states_found_by_position_equal_the_states_vllm_offers(release) -> None:
     # the chunked prefill of 3 blocks and a tail offers each boundary it ends on
     assert chunked["offers"] >= 3, chunked
     for blocks in PREEMPT_BLOCKS:
-        preempted = trace(f"preempt:{blocks}")
+        preempted = traces[f"preempt:{blocks}"]
         assert preempted["preemptions"] >= 1, preempted  # the trace is what it says
         assert preempted["tokens"] == [preempted["max_tokens"]] * 2, preempted  # both done
         # vLLM offers a resumed request's boundaries again (already stored for it: no dump
@@ -215,6 +236,36 @@ def test_states_found_by_position_equal_the_states_vllm_offers(release) -> None:
         assert preempted["dumps"] == preempted["positional"] > 0, preempted
         assert preempted["offers"] >= preempted["positional"], preempted
         assert "logged_error" not in preempted, preempted["logged_error"]
+
+
+@pytest.mark.parametrize("version", ["0.22.1", "0.25.0", "0.26.0", "0.28.0"])
+def test_the_oracles_traces_on_each_release_that_finds_states_by_position(
+    state_traces, version: str
+) -> None:
+    """The same traces on each release whose states are found by position: every block
+    found is the state vLLM's own prefix cache holds for that prefix (no hash mismatch),
+    every trace stores states, each on a block boundary of the block size the release
+    chose (on this CPU the one 0.29 chose), the preempted requests finish, and the
+    store's prefix is a hit, then a local hit. What is stored is not compared with 0.29's
+    dumps one for one: the releases cache different states (0.22 - 0.28 hash the block a
+    decode crosses a boundary in, so it is dumped; 0.29 offers a state it has just loaded
+    from the store again, and it is dumped again)."""
+    oracle, here = state_traces("0.29.0"), state_traces(version)
+    assert set(here) == set(oracle)
+    block = here["steps"]["block_size"]
+    assert block == oracle["steps"]["block_size"]
+    for name, out in here.items():
+        assert "logged_error" not in out, (name, out["logged_error"])
+        assert out["offers"] == 0, (name, out)  # no offers from vLLM before 0.29
+        assert out["state_offer_mismatches"] == 0, (name, out)
+        assert out["state_dumps"], (name, out)
+        assert all(boundary % block == 0 for _p, _g, boundary in out["state_dumps"]), name
+        if name.startswith("preempt:"):
+            assert out["preemptions"] >= 1, (name, out)
+            assert out["tokens"] == [out["max_tokens"]] * 2, (name, out)
+    steps = here["steps"]
+    assert steps["hit"]["num_cached_tokens"] >= block, steps["hit"]  # from the store
+    assert steps["again"]["num_cached_tokens"] >= block, steps["again"]  # the loaded prefix
 
 
 def test_0_29_hybrid_hits_on_a_stored_gdn_state(release) -> None:
