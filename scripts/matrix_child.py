@@ -361,7 +361,7 @@ def run_e2e_load_fail(model: str, store: str, how: str, policy: str) -> dict[str
 def _shadow_state_offers() -> dict[str, Any]:
     """Beside every step with vLLM's own state offers (``kv_connector_block_state``, vLLM
     >= 0.29), the offers the connector finds by position where vLLM gives none
-    (``SchedulerSide._boundary_offers``, vLLM 0.26 - 0.28), compared per request and
+    (``SchedulerSide._boundary_offers``, vLLM 0.22 - 0.28), compared per request and
     step: the returned record fills as vLLM runs. Compared twice: the offers as made
     (``offers`` and ``positional`` count them, ``offer_differences`` lists the first 20
     that differ), and the state dumps each would start (``SchedulerSide._state_dumps`` on
@@ -423,8 +423,8 @@ def _record_state_dumps() -> list[list[Any]]:
     """Every state dump the connector starts (``SchedulerSide._state_dumps``, from vLLM's
     offers on 0.29+, from those found by position before), as ``[prompt, group,
     boundary]``: ``prompt`` names the request by its prompt (its length and first token
-    ids), so that the dumps of one trace compare across releases and processes. The
-    returned list fills as vLLM runs."""
+    ids), the same in every process and release that runs the trace. The returned list
+    fills as vLLM runs."""
     from ucm_patch.connector.scheduler_side import SchedulerSide
 
     dumps: list[list[Any]] = []

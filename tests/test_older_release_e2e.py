@@ -33,7 +33,8 @@ and cached outside the checkout (``~/.cache/ucm_patch/matrix``, or
   the exact oracle's logprobs. And the oracle of the positional offers: beside every
   step, 0.29's own offers equal those the connector finds by position on 0.22 - 0.28, and
   after preemptions, where 0.29 offers a resumed request's stored boundaries again, the
-  state dumps both start are equal.
+  state dumps both start are equal; the same traces on 0.22.1, 0.25.0, 0.26.0 and 0.28.0
+  find no block other than the state vLLM's cache holds, and store states in each.
 * **A hybrid load that fails** (issue #36), on 0.22.1, 0.25.0, 0.26.0, 0.28.0, 0.29.0 and on this
   venv's vLLM (0.32): the
   stored values are damaged in their segment files between the dump and the load, or the
