@@ -36,6 +36,8 @@ from __future__ import annotations
 from typing import Any
 
 from ucm_patch.expect import leading
+from ucm_patch.mamba_split import ASYNC as _ASYNC
+from ucm_patch.mamba_split import SPLIT as _SPLIT
 from ucm_patch.records import PatchRecord, table
 from ucm_patch.typing_guard import TYPE_CHECKING
 
@@ -89,8 +91,6 @@ BACKPORTED = NAME
 PARAMS = ("self",)
 
 _FLAG = "need_mamba_block_aligned_split"
-_SPLIT = "_mamba_block_aligned_split"
-_ASYNC = "load_kv_async"
 
 
 def _is_flag(test: ast.expr) -> bool:
@@ -133,31 +133,6 @@ def _unguarded_splits(tree: ast.Module) -> list[ast.If]:
         n for n in ast.walk(tree)
         if isinstance(n, ast.If) and _is_flag(n.test) and _splits_external(n.body)
     ]  # fmt: skip
-
-
-def _skips_split_for_async(tree: ast.Module) -> bool:
-    """The waiting loop never splits for an async load: a split under ``if ... and not
-    load_kv_async`` (vLLM 0.23 - 0.26), or only in the branch after ``if load_kv_async:``
-    (0.27+); the rule the connector reads at start
-    (``vllm_support.async_load_skips_align_split``)."""
-    import ast
-
-    def negates_async(test: ast.expr) -> bool:
-        return any(
-            isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not)
-            and isinstance(n.operand, ast.Name) and n.operand.id == _ASYNC
-            for n in ast.walk(test)
-        )  # fmt: skip
-
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.If):
-            continue
-        if negates_async(node.test) and _splits_external(node.body):
-            return True
-        is_async = isinstance(node.test, ast.Name) and node.test.id == _ASYNC
-        if is_async and _splits_external(node.orelse) and not _splits_external(node.body):
-            return True
-    return False
 
 
 def guard_split(tree: ast.Module) -> str | None:
@@ -283,6 +258,7 @@ def check_split_guarded(fn: Callable[..., Any]) -> None:
     import textwrap
 
     from ucm_patch.installer import SignatureChanged  # apply time: not on import ucm_patch
+    from ucm_patch.mamba_split import skips_split_for_async
 
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
@@ -290,7 +266,7 @@ def check_split_guarded(fn: Callable[..., Any]) -> None:
         raise SignatureChanged(f"Scheduler.schedule's source cannot be read: {exc}") from exc
     if not _assigns_async(tree):
         raise SignatureChanged(f"Scheduler.schedule no longer sets {_ASYNC}")
-    if not _skips_split_for_async(tree):
+    if not skips_split_for_async(tree):
         raise SignatureChanged(
             f"Scheduler.schedule runs {_SPLIT} for an async load (vLLM 0.22's shape: the "
             "vllm-0.22 record's)"

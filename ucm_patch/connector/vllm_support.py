@@ -50,38 +50,18 @@ def async_load_skips_align_split(source: str) -> bool:
     (``_mamba_block_aligned_split``) for a request whose load is async: a split under
     ``if ... and not load_kv_async`` (vLLM 0.23 - 0.26), or only in the branch after
     ``if load_kv_async:`` (0.27+). 0.22 runs it for every waiting request, and its
-    assert kills the engine core on an external token. Read from the syntax tree, so
-    that formatting does not matter; unparsable source counts as no."""
+    assert kills the engine core on an external token. Read from the syntax tree
+    (:func:`ucm_patch.mamba_split.skips_split_for_async`, the rule the
+    ``hybrid_async_load`` patch reads too); unparsable source counts as no."""
     import ast
+
+    from ucm_patch.mamba_split import skips_split_for_async
 
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return False
-
-    def splits(nodes: list[ast.stmt]) -> bool:
-        return any(
-            isinstance(n, ast.Attribute) and n.attr == "_mamba_block_aligned_split"
-            for stmt in nodes
-            for n in ast.walk(stmt)
-        )
-
-    def negates_async(test: ast.expr) -> bool:
-        return any(
-            isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not)
-            and isinstance(n.operand, ast.Name) and n.operand.id == "load_kv_async"
-            for n in ast.walk(test)
-        )  # fmt: skip
-
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.If):
-            continue
-        if negates_async(node.test) and splits(node.body):
-            return True
-        is_async = isinstance(node.test, ast.Name) and node.test.id == "load_kv_async"
-        if is_async and splits(node.orelse) and not splits(node.body):
-            return True
-    return False
+    return skips_split_for_async(tree)
 
 
 def offers_states(scheduler_output_cls: Any = None) -> bool:
