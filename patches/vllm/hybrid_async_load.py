@@ -126,7 +126,8 @@ def _assigns_async(tree: ast.Module) -> bool:
 
 def _unguarded_splits(tree: ast.Module) -> list[ast.If]:
     """The ``if self.need_mamba_block_aligned_split:`` blocks (the flag alone) whose body
-    splits with the external tokens: vLLM 0.22's waiting loop has one, 0.23+ none."""
+    splits with the external tokens: vLLM 0.22's waiting loop has one, 0.23 - 0.26 none
+    (0.27+ has one again, in the branch after ``if load_kv_async:``)."""
     import ast
 
     return [
