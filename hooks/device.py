@@ -22,7 +22,8 @@ which serialises the check-then-append that bounds the pool. The ``created``/``d
 counters are diagnostics; concurrent creation may race on them.
 
 Nothing here imports torch at module import time; the devices bind it lazily. NPU code
-lives in :mod:`ucm_patch.hooks.device_npu` only; :mod:`ucm_patch.hooks.devices` chooses one.
+lives in :mod:`ucm_patch.hooks.device_npu` only; :mod:`ucm_patch.hooks.device_choice`
+chooses one.
 """
 
 from __future__ import annotations

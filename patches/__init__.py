@@ -1,4 +1,4 @@
-"""Patch sets per library and era (installed as ``ucm_patch.patches``).
+"""Patch sets per library, one per feature module (installed as ``ucm_patch.patches``).
 
 Each library subpackage exports ``PATCH_SETS``: a tuple of :class:`ucm_patch.records.PatchSet`.
 Importing these modules must never import the target library: records are data, and

@@ -202,7 +202,7 @@ def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _status_table(report: list[dict[str, Any]]) -> str:
-    from ucm_patch.table import format_table
+    from ucm_patch.status_table import format_table
 
     shown = [r for r in report if r["state"] != "skipped-version"]
     skipped = len(report) - len(shown)

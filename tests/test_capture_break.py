@@ -20,10 +20,10 @@ from vllm.compilation import breakable_cudagraph
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
 from ucm_patch import capture_break, kernel_ledger
-from ucm_patch.expect import leading
 from ucm_patch.installer import MARKER
 from ucm_patch.records import Kind, PatchRecord
 from ucm_patch.registry import Registry
+from ucm_patch.source_checks import leading
 
 MOD = "ucm_capture_break_test_mod"
 IN_RANGE = ">=0.0.1,<999"

@@ -16,9 +16,9 @@ from packaging.version import Version
 
 from tools.verify import ascend_report
 from tools.verify import vllm as verify_vllm
-from ucm_patch.expect import apply_time_params
 from ucm_patch.patches import all_patch_sets
 from ucm_patch.records import HOOKS
+from ucm_patch.source_checks import apply_time_params
 
 RECORDS = [r for ps in all_patch_sets() for r in ps.records]
 

@@ -17,7 +17,7 @@ import pytest
 
 from ucm_patch.hooks import layerwise
 from ucm_patch.hooks.device import CpuDevice, CpuEvent, EventHandleError, FakeEvent
-from ucm_patch.hooks.devices import make_device
+from ucm_patch.hooks.device_choice import make_device
 from ucm_patch.hooks.events import EventLedger, EventSource
 from ucm_patch.hooks.metrics import EVENT_SOURCE_NAMES, DumpMetrics, export
 

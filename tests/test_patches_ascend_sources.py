@@ -17,7 +17,7 @@ from pathlib import Path
 from tests.conftest import REPO, clean_env
 from tools.verify import ascend as verify
 from tools.verify import ascend_report, ascend_sources
-from ucm_patch.expect import apply_time_params
+from ucm_patch.source_checks import apply_time_params
 
 RC_TAGS = ("v0.19.1rc1", "v0.20.2rc1", "v0.21.0rc1", "v0.22.1rc1")
 STANDIN_0_23 = REPO / "tests" / "standins" / "ascend_0_23"

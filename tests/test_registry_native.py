@@ -17,9 +17,9 @@ import wrapt
 from packaging.version import Version
 
 from ucm_patch.errors import ConfigError, PatchFailed
-from ucm_patch.expect import assigned, binding, leading, signature
 from ucm_patch.records import PatchRecord
 from ucm_patch.registry import Registry
+from ucm_patch.source_checks import assigned, binding, leading, signature
 
 MOD = "ucm_registry_native_test_mod"
 WRAPT = Version(wrapt.__version__)

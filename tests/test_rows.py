@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
 
 from ucm_patch.connector.rows import RowLoader, RowMap
 from ucm_patch.hooks.device import CpuDevice
-from ucm_patch.hooks.devices import make_device
+from ucm_patch.hooks.device_choice import make_device
 
 
 def attn(i: int) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import clean_env
-from ucm_patch import table
+from ucm_patch import status_table as table
 
 CLI = str(Path(sys.executable).with_name("ucm-patch"))
 

@@ -75,7 +75,7 @@ def activate(
     if reg.on_event is not None:
         reg.on_event("activate", {"argv": sys.argv[:3]})
     if debug:
-        from ucm_patch.table import format_table
+        from ucm_patch.status_table import format_table
 
         # every column, one line per record: a log to grep, not a terminal to fit
         print(format_table(reg.report(), wide=True), file=sys.stderr)

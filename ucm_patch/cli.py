@@ -20,7 +20,7 @@ from ucm_patch.errors import ConfigError
 def _status(args: argparse.Namespace) -> int:
     # Activation reads the environment; importing ucm_patch may already have activated.
     import ucm_patch
-    from ucm_patch.table import format_json, format_table
+    from ucm_patch.status_table import format_json, format_table
 
     if not ucm_patch.enabled_by_env():
         print("ucm_patch is switched off (UCM_PATCH=0)", file=sys.stderr)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 
-from ucm_patch.records import PatchRecord
+from ucm_patch.environment import toggle_var
+from ucm_patch.records import PatchRecord, PatchSet
 
 HEADER = """# Patches
 
@@ -78,6 +79,42 @@ def _summary(records: list[PatchRecord]) -> list[str]:
     return lines
 
 
+def module_path(module: str) -> str:
+    """The repository file of an installed patch module: ``ucm_patch.patches.vllm.mla_bypass``
+    -> ``patches/vllm/mla_bypass.py`` (setup.cfg installs ``patches/`` as
+    ``ucm_patch.patches``)."""
+    return module.removeprefix("ucm_patch.").replace(".", "/") + ".py"
+
+
+def toggle_modules(sets: tuple[PatchSet, ...]) -> dict[str, list[str]]:
+    """Toggle (a record's logical name) -> the files of the patch modules whose records it
+    switches, in the order the patch sets list them."""
+    out: dict[str, list[str]] = {}
+    for ps in sets:
+        for name in dict.fromkeys(r.name for r in ps.records):
+            paths = out.setdefault(name, [])
+            if module_path(ps.module) not in paths:
+                paths.append(module_path(ps.module))
+    return out
+
+
+def _toggles(sets: tuple[PatchSet, ...]) -> list[str]:
+    lines = [
+        "## Toggles",
+        "",
+        "A toggle is a patch's logical name: `UCM_PATCH_<NAME>`, or the name under "
+        "`[patches]` in the `UCM_PATCH_CONFIG` file. It switches every era of the patch in "
+        "every module that declares it, and it is not always the module's file name.",
+        "",
+        "| toggle | environment variable | patch modules |",
+        "|---|---|---|",
+    ]
+    for name, paths in sorted(toggle_modules(sets).items()):
+        files = ", ".join(f"`{p}`" for p in paths)
+        lines.append(f"| `{name}` | `{toggle_var(name)}` | {files} |")
+    return lines
+
+
 def _details(records: list[PatchRecord]) -> list[str]:
     lines = ["## Records", ""]
     for r in records:
@@ -117,5 +154,6 @@ def render_patches_md(old: str = "") -> str:
     for ps in sets:
         lines.append(f"- **{ps.name}** ({ps.library}): {_escape(ps.description)}")
     lines.append("")
+    lines += [*_toggles(sets), ""]
     lines += [*_summary(records), "", *_details(records), *_carried_sections(old)]
     return "\n".join(lines).rstrip() + "\n"

@@ -26,14 +26,13 @@ import warnings
 from collections.abc import Callable
 
 from ucm_patch import capture_break, guard, kernel_ledger, native, trampoline
-from ucm_patch.expect import apply_time_params
+from ucm_patch.native import MARKER as MARKER  # re-exported: the mark install() sets
 from ucm_patch.records import Kind, PatchRecord
+from ucm_patch.source_checks import apply_time_params
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typing import Any
-
-MARKER = "_self_ucm_patch_id"  # wrapt keeps `_self_*` attributes on the proxy itself
 
 
 class SignatureChanged(Exception):
@@ -221,7 +220,7 @@ def live_params(original: Any) -> tuple[str, ...] | None:
 
 def check_signature(record: PatchRecord, original: Any) -> None:
     """Raise :class:`SignatureChanged` unless the live target has the parameters the
-    record's wrapper reads (:func:`ucm_patch.expect.apply_time_params`: the same facts
+    record's wrapper reads (:func:`ucm_patch.source_checks.apply_time_params`: the same facts
     ``tools.verify`` checks in source, read for the object really found here)."""
     options = apply_time_params(record.target, record.expect)
     if not options:

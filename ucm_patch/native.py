@@ -44,7 +44,10 @@ if TYPE_CHECKING:
 WAIT_CALLS = frozenset({"wait_for_kv_layer_from_connector", "wait_for_layer_load"})
 SAVE_CALLS = frozenset({"maybe_save_kv_layer_to_connector", "save_kv_layer"})
 _LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD", "LOAD_DEREF"})
-_MARKER = "_self_ucm_patch_id"  # installer.MARKER (not imported: installer imports us)
+# The attribute every wrapper the installer makes carries: the record id (wrapt keeps
+# `_self_*` attributes on the proxy itself). Defined here, where our wrappers are skipped,
+# because the installer imports this module; it re-exports it as ``installer.MARKER``.
+MARKER = "_self_ucm_patch_id"
 _OWN_FILES = ("<ucm_patch ",)  # trampolines' code objects
 _MAX_CHAIN = 32
 
@@ -137,7 +140,7 @@ def _codes(where: str, obj: Any) -> Iterator[tuple[str, Any]]:
     wrapper, and "maybe_transfer_kv_layer.<locals>.wrapper" is what an operator needs.
     """
     for item in chain(obj):
-        if getattr(item, _MARKER, None) is not None:
+        if getattr(item, MARKER, None) is not None:
             continue  # one of our wrappers: look at what it wraps
         code = getattr(item, "__code__", None)
         if code is None or code.co_filename.startswith(_own_files()):

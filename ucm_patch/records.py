@@ -24,10 +24,10 @@ The wrapper is made by ``make_wrapper()`` at apply time, when the target library
 imported, so a factory can bind vLLM functions once instead of importing per call.
 The doc fields feed docs/PATCHES.md (generated; a test fails when it is stale).
 
-A patch module states its eras as one table (:func:`table`): a row per record, the
-values all rows share given once. ``expect`` (:mod:`ucm_patch.expect`) says what each
-record relies on in its target's source; :mod:`tools.verify` checks it on every
-supported release.
+A patch module states its eras as one table (:func:`records_from_rows`): a row per
+record, the values all rows share given once. ``expect`` (:mod:`ucm_patch.source_checks`)
+says what each record relies on in its target's source; :mod:`tools.verify` checks it on
+every supported release.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # packaging is imported only when a version is actually check
 
     from packaging.specifiers import SpecifierSet
 
-    from ucm_patch.expect import Check
+    from ucm_patch.source_checks import Check
 
     Wrapper: TypeAlias = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -97,7 +97,7 @@ class PatchRecord:
             one trampoline frame and this check (it may offer a frame-free
             ``enabled_callable()``, as ``layerwise.idle`` does).
         expect: what the record relies on in its target library's source
-            (:class:`ucm_patch.expect.Check`), verified against every supported release.
+            (:class:`ucm_patch.source_checks.Check`), verified against every supported release.
         hooks: the connector calls the wrapper adds (``("wait", "save")`` for a layer
             bracket, ``("wait",)`` for a wait-only patch; empty for anything that is not
             a layer hook). At apply time :mod:`ucm_patch.native` looks for the same calls
@@ -285,23 +285,28 @@ def newest_eras(records: Iterable[PatchRecord]) -> set[str]:
 _OPEN = "999999"  # an open range's "ceiling" (tests/test_ceilings.py forbids open ranges)
 
 
-class PatchSet(namedtuple("PatchSet", ("name", "library", "description", "records"))):
-    """The records of one library era (e.g. every patch for vLLM 0.22 to 0.33)."""
+class PatchSet(namedtuple("PatchSet", ("name", "library", "description", "records", "module"))):
+    """The records of one feature module of a library's patches, every era of them (e.g.
+    ``patches/vllm/kv_ready_event.py``: the KV-ready event for each vLLM release range).
+
+    ``name`` is the module's ``NAME``, the toggle of its records; ``module`` the module's
+    dotted name (``ucm_patch.patches.vllm.kv_ready_event``)."""
 
     __slots__ = ()
     name: str
     library: str
     description: str
     records: tuple[PatchRecord, ...]
+    module: str
 
 
 def patch_sets(library: str, *modules: Any) -> tuple[PatchSet, ...]:
     """One :class:`PatchSet` per patch module of ``library``, from what the module
     declares: ``NAME``, ``DESCRIPTION`` and ``RECORDS`` (said once, in the module)."""
-    return tuple(PatchSet(m.NAME, library, m.DESCRIPTION, m.RECORDS) for m in modules)
+    return tuple(PatchSet(m.NAME, library, m.DESCRIPTION, m.RECORDS, m.__name__) for m in modules)
 
 
-def table(
+def records_from_rows(
     name: str,
     distribution: str,
     columns: str,

@@ -31,8 +31,9 @@ Guarantees (each has a test in tests/test_registry_*.py):
   ``activate()`` calls or entry paths (import + plugin); a wrapper already carrying our
   record id is recognised and never wrapped again.
 * **Thread-safe.** One ``RLock`` guards the state table. Factories (which may import) run
-  *outside* the lock, and wrapt runs post-import hooks outside its own lock, so a hook
-  firing in one thread while another thread imports cannot deadlock on the import lock.
+  *outside* the lock, and :mod:`ucm_patch.importhooks` (our own post-import hooks, not
+  wrapt's) runs each hook outside its own lock, so a hook firing in one thread while
+  another thread imports cannot deadlock on the import lock.
 * **Cheap where it runs per layer.** The installer (:mod:`ucm_patch.installer`) gives a
   plain-function target an exact-signature trampoline, anything else a wrapt
   ``FunctionWrapper``; both run the same guarded wrapper (:mod:`ucm_patch.guard`).

@@ -38,7 +38,7 @@ from typing import Any
 
 from ucm_patch import environment
 from ucm_patch.hooks.device import Device
-from ucm_patch.hooks.devices import make_device
+from ucm_patch.hooks.device_choice import make_device
 from ucm_patch.hooks.dump.client import DumpClient
 from ucm_patch.hooks.dump.types import (
     CANCELLED,

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ucm_patch.expect import leading
-from ucm_patch.records import PatchRecord, table
+from ucm_patch.records import PatchRecord, records_from_rows
+from ucm_patch.source_checks import leading
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def make_keep_aligned_wrapper() -> Wrapper:
     return keep_aligned
 
 
-RECORDS: tuple[PatchRecord, ...] = table(
+RECORDS: tuple[PatchRecord, ...] = records_from_rows(
     NAME,
     "vllm",
     "era target requires upstream expect",

@@ -36,10 +36,10 @@ KV connector vLLM has active.
 
 from __future__ import annotations
 
-from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks
-from ucm_patch.records import HOOKS, Kind, PatchRecord, table
+from ucm_patch.records import HOOKS, Kind, PatchRecord, records_from_rows
+from ucm_patch.source_checks import arg_index, leading
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ _GDN_019 = "vllm.model_executor.layers.mamba.gdn_linear_attn"
 _GDN_022 = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _CPU_OPS = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 
-RECORDS: tuple[PatchRecord, ...] = table(
+RECORDS: tuple[PatchRecord, ...] = records_from_rows(
     NAME,
     "vllm",
     "era target requires upstream expect callers",

@@ -45,11 +45,11 @@ capture-breaking decorator (tests/test_capture_break.py); no hybrid connector e2
 
 from __future__ import annotations
 
-from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks
 from ucm_patch.patches.vllm.gdn_layerwise import make_method_wrapper
-from ucm_patch.records import HOOKS, Kind, PatchRecord, table
+from ucm_patch.records import HOOKS, Kind, PatchRecord, records_from_rows
+from ucm_patch.source_checks import arg_index, leading
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def make_xpu_op_wrapper(hooks: tuple[str, ...] = HOOKS) -> Wrapper:
     return _layer_hooks.make_op_wrapper(XPU_OP_LAYER_NAME_INDEX, hooks)
 
 
-RECORDS: tuple[PatchRecord, ...] = table(
+RECORDS: tuple[PatchRecord, ...] = records_from_rows(
     NAME,
     "vllm",
     "era target requires upstream expect callers",

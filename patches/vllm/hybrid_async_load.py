@@ -35,10 +35,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ucm_patch.expect import leading
 from ucm_patch.mamba_split import ASYNC as _ASYNC
 from ucm_patch.mamba_split import SPLIT as _SPLIT
-from ucm_patch.records import PatchRecord, table
+from ucm_patch.records import PatchRecord, records_from_rows
+from ucm_patch.source_checks import leading
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -302,7 +302,7 @@ def make_zeroing_wrapper() -> Wrapper:
     return schedule
 
 
-RECORDS: tuple[PatchRecord, ...] = table(
+RECORDS: tuple[PatchRecord, ...] = records_from_rows(
     NAME,
     "vllm",
     "era target requires upstream expect",

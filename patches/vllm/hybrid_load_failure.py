@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ucm_patch.expect import arg_index, leading
-from ucm_patch.records import PatchRecord, table
+from ucm_patch.records import PatchRecord, records_from_rows
+from ucm_patch.source_checks import arg_index, leading
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def make_invalid_blocks_wrapper() -> Wrapper:
     return invalid_blocks
 
 
-RECORDS: tuple[PatchRecord, ...] = table(
+RECORDS: tuple[PatchRecord, ...] = records_from_rows(
     NAME,
     "vllm",
     "era target requires upstream expect",

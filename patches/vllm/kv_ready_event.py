@@ -39,10 +39,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _vllm_compat
-from ucm_patch.records import Kind, PatchRecord, table
+from ucm_patch.records import Kind, PatchRecord, records_from_rows
+from ucm_patch.source_checks import arg_index, leading
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -259,7 +259,7 @@ _KV_UPDATES: tuple[tuple[str, str, str, tuple[str, ...], str, str], ...] = (
     ),
 )
 
-RECORDS: tuple[PatchRecord, ...] = table(
+RECORDS: tuple[PatchRecord, ...] = records_from_rows(
     NAME,
     "vllm",
     "era target requires make_wrapper upstream expect",

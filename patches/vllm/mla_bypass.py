@@ -22,10 +22,10 @@ layerwise transfer, as for every layer: FULL graphs replay kernels without Pytho
 
 from __future__ import annotations
 
-from ucm_patch.expect import arg_index, leading
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm import _layer_hooks
-from ucm_patch.records import PatchRecord, table
+from ucm_patch.records import PatchRecord, records_from_rows
+from ucm_patch.source_checks import arg_index, leading
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def make_kimi_amd_fused_decode_wrapper() -> Wrapper:
     )
 
 
-RECORDS: tuple[PatchRecord, ...] = table(
+RECORDS: tuple[PatchRecord, ...] = records_from_rows(
     NAME,
     "vllm",
     "era target requires make_wrapper upstream expect",

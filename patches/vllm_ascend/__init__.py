@@ -3,8 +3,8 @@
 Every record here gates on ``vllm-ascend`` only: the core (``ucm_patch.versions.align_ascend``)
 already replaces a stale vLLM-Ascend version by the paired vLLM release on a major.minor
 mismatch ("vLLM wins"), and ``ucm-patch status`` shows the mismatch. Each record's
-``expect`` states the source facts it relies on (the names in :mod:`.checks`), verified by
-:mod:`tools.verify.ascend` and by the tests.
+``expect`` states the source facts it relies on (the names in :mod:`.source_names`),
+verified by :mod:`tools.verify.ascend` and by the tests.
 """
 
 from __future__ import annotations

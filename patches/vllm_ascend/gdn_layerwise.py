@@ -57,8 +57,8 @@ from collections.abc import Callable
 
 from ucm_patch.hooks import layerwise
 from ucm_patch.patches.vllm_ascend import _ascend_compat as compat
-from ucm_patch.patches.vllm_ascend import checks as c
-from ucm_patch.records import HOOKS, PatchRecord, table
+from ucm_patch.patches.vllm_ascend import source_names as c
+from ucm_patch.records import HOOKS, PatchRecord, records_from_rows
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ _VE_018 = compat.KV_VIRTUAL_ENGINE_IF_VLLM_018
 # ``supersedes``: on an NPU, vLLM-Ascend overwrites (or swaps out the class of) the method
 # vLLM's own GDN record would wrap, so those records are skipped where an Ascend era is in
 # range (reported as "superseded by ..." rather than a misleading "applied").
-_CORE_RECORDS = table(
+_CORE_RECORDS = records_from_rows(
     NAME,
     "vllm-ascend",
     "era target requires make_wrapper upstream expect",
@@ -346,7 +346,7 @@ _ANONYMOUS: tuple[tuple[str, str, str, str], ...] = (
     ),
 )
 
-RECORDS: tuple[PatchRecord, ...] = _CORE_RECORDS + table(
+RECORDS: tuple[PatchRecord, ...] = _CORE_RECORDS + records_from_rows(
     NAME,
     "vllm-ascend",
     "era target requires upstream expect",

@@ -36,8 +36,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ucm_patch.hooks import layerwise
-from ucm_patch.patches.vllm_ascend import checks as c
-from ucm_patch.records import PatchRecord, table
+from ucm_patch.patches.vllm_ascend import source_names as c
+from ucm_patch.records import PatchRecord, records_from_rows
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def _era(module: str, hook: str, requires: str) -> str:
     return f"ascend-{first}-{short}-{'wait' if hook == c.WAIT else 'save'}"
 
 
-RECORDS: tuple[PatchRecord, ...] = table(
+RECORDS: tuple[PatchRecord, ...] = records_from_rows(
     NAME,
     "vllm-ascend",
     "era target requires upstream expect",

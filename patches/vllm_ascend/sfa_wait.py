@@ -22,8 +22,8 @@ import importlib
 from collections.abc import Callable
 
 from ucm_patch.hooks import layerwise
-from ucm_patch.patches.vllm_ascend import checks as c
-from ucm_patch.records import PatchRecord, table
+from ucm_patch.patches.vllm_ascend import source_names as c
+from ucm_patch.records import PatchRecord, records_from_rows
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def make_dedupe_wrapper() -> Wrapper:
 
 
 _FORWARD = f"{SFA}:AscendSFAImpl.forward"
-RECORDS: tuple[PatchRecord, ...] = table(
+RECORDS: tuple[PatchRecord, ...] = records_from_rows(
     NAME,
     "vllm-ascend",
     "era target make_wrapper upstream expect",

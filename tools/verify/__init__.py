@@ -2,15 +2,16 @@
 
 A release's source is *read* with :mod:`ast`, never imported, so one machine checks every
 release of vLLM and vLLM-Ascend (torch-npu or CUDA need not run here). Each record states
-what it relies on in ``expect`` (:mod:`ucm_patch.expect`); this package evaluates those
-checks and renders the verification matrices of docs/PATCHES.md.
+what it relies on in ``expect`` (:mod:`ucm_patch.source_checks`); this package evaluates
+those checks and renders the verification matrices of docs/PATCHES.md.
 
 =========  ===================================================================================
 module     holds
 =========  ===================================================================================
 source     the source-tree model: modules parsed on first use, definition lookups, the one
            parameter reader, small ``ast`` helpers
-checks     the checks runner (one evaluator per check kind) and version gating
+check_r.   (``check_runner``) the checks runner (one evaluator per check kind) and version
+           gating
 sections   the generated sections of docs/PATCHES.md (``<!-- name:start -->`` ... ``end``)
 vllm       vLLM: wheel sources, extracted signature facts, verdicts, the matrix
 ascend     vLLM-Ascend: the checks of one source tree, completeness, facts and results

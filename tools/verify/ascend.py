@@ -8,11 +8,12 @@ The source is *read* with ``ast``, never imported (torch-npu cannot run here);
   or a tag / commit exported from a local clone (verified outside CI);
 * this module checks it: for each version every record whose ``requires`` range contains
   it (the version gated the way ``ucm_patch.versions`` gates: rc / post releases as their
-  base release) must satisfy the checks in its ``expect`` (:mod:`ucm_patch.expect`, with
-  the vLLM-Ascend names of ``ucm_patch.patches.vllm_ascend.checks``). On top, completeness
-  checks scan the whole tree: every by-name binding of the wait/save hooks has a record,
-  every GDN core that can run (and every copy vLLM-Ascend makes of one) is wrapped, every
-  function that marks a KV write is covered or listed in ``NOT_COVERED`` with the reason;
+  base release) must satisfy the checks in its ``expect`` (:mod:`ucm_patch.source_checks`,
+  with the vLLM-Ascend names of ``ucm_patch.patches.vllm_ascend.source_names``). On top,
+  completeness checks scan the whole tree: every by-name binding of the wait/save hooks
+  has a record, every GDN core that can run (and every copy vLLM-Ascend makes of one) is
+  wrapped, every function that marks a KV write is covered or listed in ``NOT_COVERED``
+  with the reason;
 * :mod:`tools.verify.ascend_report` keeps the results: ``scripts/data/ascend_signatures.json``
   (the facts and results per version, which the tests compare the stand-ins against) and
   the ``ascend-matrix`` section of docs/PATCHES.md.
@@ -24,7 +25,7 @@ import ast
 import functools
 from pathlib import Path
 
-from tools.verify import checks
+from tools.verify import check_runner
 from tools.verify.ascend_sources import SourceError
 from tools.verify.source import (
     SourceTree,
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
     from types import ModuleType
     from typing import Any
 
-    from ucm_patch.expect import Check
     from ucm_patch.records import PatchRecord
+    from ucm_patch.source_checks import Check
 
 
 # Writers of the KV cache (functions that record reshape_cache_event or call
@@ -76,7 +77,7 @@ def expectations() -> dict[str, tuple[Check, ...]]:
 
 def names() -> ModuleType:
     """The vLLM-Ascend names the checks use (and the shared check constructors)."""
-    from ucm_patch.patches.vllm_ascend import checks as names
+    from ucm_patch.patches.vllm_ascend import source_names as names
 
     return names
 
@@ -222,7 +223,7 @@ def _mlapo_no_wait(tree: Tree, code: str) -> str | None:
 
 
 KINDS = {
-    **checks.GENERIC,
+    **check_runner.GENERIC,
     "binding": _binding,
     "marks_write": _marks_write,
     "mlapo_no_wait": _mlapo_no_wait,
@@ -231,7 +232,7 @@ KINDS = {
 
 def run_check(tree: Tree, check: Check) -> str | None:
     """None when ``check`` holds in ``tree``, else the reason."""
-    return checks.run_check(tree, check, KINDS)
+    return check_runner.run_check(tree, check, KINDS)
 
 
 MAIN_PREFIX = "main@"  # label of a main-branch snapshot: "main@<commit[:12]>"
@@ -251,7 +252,7 @@ def in_range(record: PatchRecord, label: str) -> bool:
     records ``UCM_PATCH_ALLOW_UNTESTED`` lets apply), so those are the ones checked."""
     if is_main(label):
         return not record.retired and record.id in _newest_ids()
-    return checks.in_range(record, "vllm-ascend", label)
+    return check_runner.in_range(record, "vllm-ascend", label)
 
 
 @functools.cache
@@ -445,7 +446,7 @@ def verify(root: Path, label: str, kind: str) -> dict[str, Any]:
         "ci": kind in ("pypi-wheel", "pypi-sdist"),
         "gated_as": "newest eras (untested-version)"
         if is_main(label)
-        else str(checks.gated(label)),
+        else str(check_runner.gated(label)),
         "facts": facts,
         "results": results,
         "completeness": completeness(tree, label),

@@ -36,10 +36,10 @@ import zipfile
 from pathlib import Path
 
 from tools.verify import sections
-from tools.verify.checks import in_range
+from tools.verify.check_runner import in_range
 from tools.verify.source import SourceTree, params
 from ucm_patch import capture_break
-from ucm_patch.expect import leading_params
+from ucm_patch.source_checks import leading_params
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """The names vLLM-Ascend's source uses that its records target and their checks look for.
 
 Every record in this package states in ``expect`` what it relies on in the vLLM-Ascend
-source, with the shared vocabulary of :mod:`ucm_patch.expect` (re-exported here, so a
-record table reads ``c.signature(...)``, ``c.binding(module, c.SAVE)``).
+source, with the shared vocabulary of :mod:`ucm_patch.source_checks` (re-exported here, so
+a record table reads ``c.signature(...)``, ``c.binding(module, c.SAVE)``).
 :mod:`tools.verify.ascend` evaluates the checks on every covered release; ``binding``
 checks name :data:`UTILS` as the module the hooks come from and ``marks_write`` counts the
 calls of :data:`KV_WRITE_OPS` as KV writes.
@@ -10,7 +10,7 @@ calls of :data:`KV_WRITE_OPS` as KV writes.
 
 from __future__ import annotations
 
-from ucm_patch.expect import (
+from ucm_patch.source_checks import (
     Check,
     anonymous_only,
     arg_index,

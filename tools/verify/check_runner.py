@@ -1,4 +1,5 @@
-"""The checks runner: each :class:`ucm_patch.expect.Check` kind evaluated on a source tree.
+"""The checks runner: each :class:`ucm_patch.source_checks.Check` kind evaluated on a
+source tree.
 
 A library adds the kinds that need its own names (vLLM-Ascend's hook module, its KV-write
 ops) by passing more evaluators to :func:`run_check`; the kinds every library shares are
@@ -19,8 +20,8 @@ from ucm_patch.typing_guard import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import TypeAlias
 
-    from ucm_patch.expect import Check
     from ucm_patch.records import PatchRecord
+    from ucm_patch.source_checks import Check
 
     Evaluator: TypeAlias = Callable[..., str | None]
 

@@ -1,7 +1,7 @@
 """The :class:`~ucm_patch.hooks.device.Device` of this process: CPU, CUDA or NPU.
 
 Kept apart from ``device.py``, which the NPU device builds on: choosing a device needs every
-kind, and a kind must not import the module that chooses it (no import circle, issue #28).
+kind, and a kind must not import the module that chooses it (no import circle).
 """
 
 from __future__ import annotations
