@@ -1,4 +1,5 @@
-"""Helpers shared by the vLLM benchmarks (bench_step, bench_overlap, bench_ttft, bench_all).
+"""Helpers shared by the benchmarks (bench_step, bench_overlap, bench_ttft, bench_all, and
+the tables, statistics and stand-in records of the others).
 
 Why one module: every benchmark that runs real vLLM starts it in a child process (a vLLM
 engine cannot be torn down cleanly, ``UCM_PATCH=0`` only takes effect at start, and each
@@ -18,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -123,6 +125,38 @@ def ensure_model(kind: str, out: Path, *args: str, script: str = "make_tiny_mode
             env=child_env(),
         )
     return out
+
+
+def registry_applied(
+    record: Any, module_name: str, qualname: str, obj: Any, *, skip_when: bool = True
+) -> types.ModuleType:
+    """``record`` applied by a real Registry (what production runs) to ``obj``, bound as
+    ``qualname``'s first part in a new stand-in module ``module_name``; returns the module.
+
+    ``skip_when=False`` applies it without the record's ``skip_when`` predicate."""
+    from ucm_patch.records import PatchRecord
+    from ucm_patch.registry import Registry
+
+    module = types.ModuleType(module_name)
+    setattr(module, qualname.split(".")[0], obj)
+    sys.modules[module_name] = module
+    rec = PatchRecord(
+        name=record.name,
+        era=record.era,
+        target=f"{module_name}:{qualname}",
+        requires=record.requires,
+        make_wrapper=record.make_wrapper,
+        why=record.why,
+        upstream=record.upstream,
+        removal=record.removal,
+        skip_when=record.skip_when if skip_when else None,
+    )
+    reg = Registry([rec])
+    reg.activate(patches={rec.name: True}, env={})
+    state = reg.status(rec.id).state
+    if str(state) != "applied":
+        raise RuntimeError(f"bench: {rec.id} not applied on the stand-in: {state}")
+    return module
 
 
 def machine(load_at_start: float | None = None) -> dict[str, Any]:
@@ -263,3 +297,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def fmt(v: float | None, spec: str = ".2f", unit: str = "") -> str:
+    """A table cell of ``v`` (``spec``, then ``unit``), ``n/a`` for None."""
+    return "n/a" if v is None else f"{v:{spec}}{unit}"
+
+
+def verdict(ok: bool | None) -> str:
+    """A target's verdict cell: met, **missed**, or n/a for None."""
+    return "n/a" if ok is None else ("met" if ok else "**missed**")

@@ -84,29 +84,13 @@ def _kernel(mixed_qkv: Any, b: Any, a: Any, core_attn_out: Any, layer_name: Any)
 
 
 def _apply_cpu_op_record(obj: Any) -> Any:
-    """The ``gdn_layerwise`` CPU-op record applied by a real Registry to a stand-in module."""
+    """The ``gdn_layerwise`` CPU-op record applied by a real Registry to a stand-in module,
+    without the record's ``skip_when``."""
     from ucm_patch.patches.vllm import gdn_layerwise
-    from ucm_patch.records import PatchRecord
-    from ucm_patch.registry import Registry
 
     src = {r.era: r for r in gdn_layerwise.RECORDS}["vllm-0.21-cpu"]
-    module = types.ModuleType("ucm_bench_dump_kernel")
-    module.cpu_gdn_attention_core = obj
-    sys.modules[module.__name__] = module
-    rec = PatchRecord(
-        name=src.name,
-        era=src.era,
-        target=f"{module.__name__}:cpu_gdn_attention_core",
-        requires=src.requires,
-        make_wrapper=src.make_wrapper,
-        why=src.why,
-        upstream=src.upstream,
-        removal=src.removal,
-    )
-    reg = Registry([rec])
-    reg.activate(patches={rec.name: True}, env={})
-    if str(reg.status(rec.id).state) != "applied":
-        raise RuntimeError(f"bench_dump_hook: {rec.id} not applied: {reg.status(rec.id).state}")
+    name = "cpu_gdn_attention_core"
+    module = bc.registry_applied(src, "ucm_bench_dump_kernel", name, obj, skip_when=False)
     return module.cpu_gdn_attention_core
 
 
@@ -159,8 +143,10 @@ def profile(
         pool.append(ledger.resolve(name, None)[0])
 
     parts["EventLedger.resolve (+ list append to give the event back)"] = _best_ns(resolve)
-    batch = conn._worker_side._batch
-    keys, produce = next(p for p in conn._worker_side._row_plans if p is not None)
+    side = conn.worker_side
+    batch = side.open_batch
+    plans = (side.row_plan(row) for row in range(len(conn.layout.rows)))
+    keys, produce = next(p for p in plans if p is not None)
     per_call: list[int] = []
     pc = time.perf_counter_ns
     for _ in range(50):

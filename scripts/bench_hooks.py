@@ -42,7 +42,10 @@ from typing import Any
 import torch
 import wrapt
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
+
+import bench_common as bc
 
 LAYER = "model.layers.0.linear_attn"
 BUDGET_NS = {"no connector": 1000.0, "connector, nothing to dump": 2000.0}
@@ -68,33 +71,6 @@ def _closure_function(orig: Any, wrapper: Any) -> Any:
         return wrapper(orig, None, args, kwargs)
 
     return function
-
-
-def _registry_applied(record: Any, module_name: str, qualname: str, obj: Any) -> Any:
-    """Apply ``record`` (as a plain wrap) to ``obj`` with a real Registry; return the module."""
-    from ucm_patch.records import PatchRecord
-    from ucm_patch.registry import Registry
-
-    module = types.ModuleType(module_name)
-    setattr(module, qualname.split(".")[0], obj)
-    sys.modules[module_name] = module
-    rec = PatchRecord(
-        name=record.name,
-        era=record.era,
-        target=f"{module_name}:{qualname}",
-        requires=record.requires,
-        make_wrapper=record.make_wrapper,
-        why=record.why,
-        upstream=record.upstream,
-        removal=record.removal,
-        skip_when=record.skip_when,
-    )
-    reg = Registry([rec])
-    reg.activate(patches={rec.name: True}, env={})
-    state = reg.status(rec.id).state
-    if str(state) != "applied":
-        raise RuntimeError(f"bench: {rec.id} not applied on the stand-in: {state}")
-    return module
 
 
 def _best_ns(stmt: Any, number: int, repeat: int) -> float:
@@ -123,8 +99,8 @@ def run(number: int, repeat: int) -> list[dict[str, Any]]:
         _forward_core = _core
 
     by_era = {r.era: r for r in gdn_layerwise.RECORDS}
-    _registry_applied(by_era["vllm-0.22"], "ucm_bench_method", "Applied._forward_core", Applied)
-    kernel_mod = _registry_applied(
+    bc.registry_applied(by_era["vllm-0.22"], "ucm_bench_method", "Applied._forward_core", Applied)
+    kernel_mod = bc.registry_applied(
         by_era["vllm-0.21-cpu"], "ucm_bench_kernel", "cpu_gdn_attention_core", _kernel
     )
     kernel_applied = kernel_mod.cpu_gdn_attention_core

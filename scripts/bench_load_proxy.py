@@ -234,11 +234,10 @@ def read(
     from ucm_patch.hooks.stores import rowcopy
 
     if per_value:
-        rowcopy._helper, rowcopy._tried = None, True
+        rowcopy.disable()
     store = _store(path, values * value_bytes, value_bytes)
-    warmer = getattr(store.memory, "_warmer", None)
-    if warmer is not None:
-        warmer.join()
+    if store.memory is not None:
+        store.memory.wait_warm()
     keys = _keys(values)
     rows = [keys[i : i + ROW_VALUES] for i in range(0, values, ROW_VALUES)]
     nbytes = values * value_bytes
@@ -316,9 +315,8 @@ def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -
 
     passes = 1 + repeat + 2
     store = _store(path, passes * values * value_bytes, value_bytes)
-    warmer = getattr(store.memory, "_warmer", None)
-    if warmer is not None:
-        warmer.join()  # the connector's store opens at start, long before the first dump
+    if store.memory is not None:
+        store.memory.wait_warm()  # the connector's store opens at start, before any dump
     keys = _keys(values)
     rows = [keys[i : i + ROW_VALUES] for i in range(0, values, ROW_VALUES)]
     data = [memoryview(bytearray(os.urandom(value_bytes))) for _ in range(8)]  # staging

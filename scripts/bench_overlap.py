@@ -356,7 +356,7 @@ def child(spec_path: str, out_path: str) -> int:
             from ucm_patch.hooks.dump import get_scheduler
 
             dump_sched = get_scheduler()
-            side = conn_sched._sched_side
+            side = conn_sched.scheduler_side
 
             def set_mode(mode: str) -> None:
                 side.can_dump = mode != "off"

@@ -4,12 +4,16 @@ Tables, the targets each benchmark is held to (met or missed), and the machine a
 the numbers came from. Ratios are only ever formed between numbers measured in the same
 run. Pure: data in, text out (:func:`render_doc`), so a document can be re-rendered from
 stored results without running anything.
+
+This module renders the document's frame (the machine, the targets table, failed runs,
+how to reproduce); each section's tables come from a module of their own:
+:mod:`bench_render_hooks` (sections 1 and 2), :mod:`bench_render_ttft` (3 and 4),
+:mod:`bench_render_stores` (5) and :mod:`bench_render_load` (the load proxy's targets).
 """
 
 from __future__ import annotations
 
 import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,17 +21,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc
+from bench_render_hooks import section_hooks, section_step, step_bound, step_verdict
 from bench_render_load import load_proxy_targets
+from bench_render_stores import section_stores, store_targets
+from bench_render_ttft import (
+    TTFT_CEILING_SHARE,
+    TTFT_TARGET,
+    section_overlap,
+    section_ttft,
+    ttft_ceiling,
+)
 
 DOC = bc.REPO / "docs" / "BENCHMARKS.md"
-
-
-def _fmt(v: float | None, spec: str = ".2f", unit: str = "") -> str:
-    return "n/a" if v is None else f"{v:{spec}}{unit}"
-
-
-def _verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("met" if ok else "**missed**")
 
 
 def render_doc(data: dict[str, Any], runs: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -66,9 +71,9 @@ def render_doc(data: dict[str, Any], runs: dict[str, Any], meta: dict[str, Any])
             [
                 (
                     n,
-                    _fmt(r.get("load_before")),
-                    _fmt(r.get("load_after")),
-                    _fmt(r.get("wall_s"), ".0f"),
+                    bc.fmt(r.get("load_before")),
+                    bc.fmt(r.get("load_after")),
+                    bc.fmt(r.get("wall_s"), ".0f"),
                     "ok" if r["ok"] else f"failed (rc={r['rc']})",
                 )
                 for n, r in runs.items()
@@ -117,34 +122,6 @@ def render_doc(data: dict[str, Any], runs: dict[str, Any], meta: dict[str, Any])
     return "\n".join(lines)
 
 
-def idle_call_ns(hooks: list[dict[str, Any]] | None) -> float | None:
-    """Added ns of the registry-applied CPU-op wrapper with no connector (bench_hooks)."""
-    for r in hooks or ():
-        if r["case"] == "no connector" and r["path"] == "cpu op" and r["applied_as"] == "registry":
-            return float(r["added_ns"])
-    return None
-
-
-def step_bound(r: dict[str, Any], hooks: list[dict[str, Any]] | None) -> float | None:
-    """1 + (wrapped calls per generate x idle cost per call) / time per generate."""
-    ns = idle_call_ns(hooks)
-    calls = r.get("wrapped_calls_per_generate")
-    if ns is None or calls is None:
-        return None
-    return 1.0 + calls * ns / (r["off_ms_median"] * 1e6)
-
-
-def step_verdict(r: dict[str, Any], bound: float | None) -> str:
-    lo, hi = r["ratio_ci95"]
-    if hi <= 1.01:
-        return "met"
-    if lo > 1.01:
-        return "**missed**"
-    if bound is not None and bound <= 1.01:
-        return "met by the per-call bound; end to end inconclusive (noise > 1 %)"
-    return "inconclusive (noise > 1 %)"
-
-
 def summary_table(data: dict[str, Any]) -> list[str]:
     rows: list[tuple[str, str, str, str]] = []
     core, hooks, dump = data.get("core"), data.get("hooks"), data.get("dump_hook")
@@ -153,11 +130,11 @@ def summary_table(data: dict[str, Any]) -> list[str]:
         total = added + apply_ms
         rows += [
             ("`import ucm_patch` added to start (wheel, upper bound)", "< 30 ms",
-             f"{added:.1f} ms", _verdict(added < 30)),
+             f"{added:.1f} ms", bc.verdict(added < 30)),
             ("apply every record after `import vllm`", "< 5 ms",
-             f"{apply_ms:.2f} ms", _verdict(apply_ms < 5)),
+             f"{apply_ms:.2f} ms", bc.verdict(apply_ms < 5)),
             ("import + apply every record (G11)", "<= 100 ms",
-             f"{total:.1f} ms", _verdict(total <= 100)),
+             f"{total:.1f} ms", bc.verdict(total <= 100)),
         ]  # fmt: skip
     if hooks:
         # Per path (cpu op: what runs on vLLM CPU; method: the CUDA/ROCm GDN entry points),
@@ -172,7 +149,7 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                     f"hook, {r['case']}, {r['path']} (budget / G1)",
                     f"< +{budget} ns / <= +150 ns per call",
                     f"+{added:.0f} ns ({48 * added / 1000:.1f} us per 48-layer step)",
-                    f"{_verdict(added < budget)} / {_verdict(added <= 150)}",
+                    f"{bc.verdict(added < budget)} / {bc.verdict(added <= 150)}",
                 )
             )
     if dump:
@@ -187,11 +164,11 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                             f"save hook {name} (budget / G2)",
                             "< 2 us / <= 1.5 us per layer",
                             measured,
-                            f"{_verdict(added < 2000)} / {_verdict(added <= 1500)}",
+                            f"{bc.verdict(added < 2000)} / {bc.verdict(added <= 1500)}",
                         )
                     )
                 else:
-                    verdict = _verdict(added <= 1500)
+                    verdict = bc.verdict(added <= 1500)
                     if added > 1500 and dump["results"].get("profile"):
                         verdict += ": limit named in the profile of section 1"
                     rows.append((f"{name} (G2)", "<= 1.5 us per layer", measured, verdict))
@@ -205,7 +182,7 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                     f"step overhead, {r['model']}",
                     "ratio <= 1.01",
                     f"{r['ratio']:.4f} (95% CI {lo:.3f}-{hi:.3f}); per-call bound "
-                    + _fmt(bound, ".5f"),
+                    + bc.fmt(bound, ".5f"),
                     step_verdict(r, bound),
                 )
             )
@@ -231,7 +208,7 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                         f"dump overlap A, dump work = {row['load']:.2f} x compute",
                         "ratio <= 1.05, hidden >= 95 %",
                         f"{m['ratio']:.3f}, {m['hidden_share'] * 100:.1f} %",
-                        _verdict(m["ratio"] <= 1.05 and m["hidden_share"] >= 0.95),
+                        bc.verdict(m["ratio"] <= 1.05 and m["hidden_share"] >= 0.95),
                     )
                 )
         b = ov["results"].get("vllm")
@@ -246,8 +223,8 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                             "ratio <= 1.05, hidden >= 95 %" if target else "(information)",
                             f"{r['ratio']:.3f} (95% CI {r['ratio_ci95'][0]:.3f}-"
                             f"{r['ratio_ci95'][1]:.3f}), "
-                            + _fmt(None if h is None else h * 100, ".1f", " %"),
-                            _verdict(r["ratio"] <= 1.05 and (h or 0) >= 0.95)
+                            + bc.fmt(None if h is None else h * 100, ".1f", " %"),
+                            bc.verdict(r["ratio"] <= 1.05 and (h or 0) >= 0.95)
                             if target
                             else "compute on both cores: the dump's CPU work competes with it",
                         )
@@ -257,7 +234,7 @@ def summary_table(data: dict[str, Any]) -> list[str]:
         r = tt["results"]["ucm"]
         lo, hi = r["speedup_hit_ci95"]
         ceiling = ttft_ceiling(r)
-        verdict = _verdict(r["speedup_hit"] >= TTFT_TARGET)
+        verdict = bc.verdict(r["speedup_hit"] >= TTFT_TARGET)
         if r["speedup_hit"] < TTFT_TARGET and ceiling < TTFT_TARGET:
             verdict += (
                 f": the ceiling of this workload on this CPU is {ceiling:.2f}x "
@@ -278,7 +255,7 @@ def summary_table(data: dict[str, Any]) -> list[str]:
                 f"TTFT, {tt['params']['hit_share'] * 100:.0f} % prefix hit, share of the ceiling",
                 f">= {100 * TTFT_CEILING_SHARE:.0f} % of the ceiling",
                 f"{100 * share:.0f} %",
-                _verdict(share >= TTFT_CEILING_SHARE),
+                bc.verdict(share >= TTFT_CEILING_SHARE),
             )
         )
     rows += store_targets(data.get("stores"))
@@ -286,766 +263,3 @@ def summary_table(data: dict[str, Any]) -> list[str]:
     out = ["| metric | target | measured | |", "|---|---|---|---|"]
     out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return out
-
-
-TTFT_TARGET = 4.0
-#: The hit keeps this share of the ceiling (vLLM's own prefix cache, no load).
-TTFT_CEILING_SHARE = 0.95
-#: Store targets as shares of the memcpy ceiling of the same run (issue #27).
-MEMORY_TARGET, DISK_TARGET = 0.60, 0.50
-
-
-def ttft_ceiling(r: dict[str, Any]) -> float:
-    """Recompute over the hit served by vLLM's own prefix cache (no load at all, same
-    process): what any connector's hit could reach at most on this machine."""
-    return r["ms"]["recompute"] / r["ms"]["vllm_prefix_cache"]
-
-
-def _median(xs: list[float] | None) -> float | None:
-    import statistics
-
-    return statistics.median(xs) if xs else None
-
-
-def _share(res: dict[str, Any], name: str, op: str) -> float | None:
-    """A path's rate as a share of memcpy in the same run (paired per round where the
-    bench measured it so: ``bench_common.memcpy_share``)."""
-    mem = _median(res["memcpy"]["memcpy into preallocated"])
-    return bc.memcpy_share(res.get(name, {}), op, mem)
-
-
-#: The two-tier rows of bench_stores (spilling on, the store as the connector builds it).
-FULL_STORE = "two tiers (as the connector builds them)"
-#: A full store keeps this share of its put rate with room; no put call takes longer.
-FULL_SHARE, FULL_SLOWEST_MS = 0.50, 10.0
-
-
-def _stored_rate(row: dict[str, Any]) -> float:
-    return row["stored"] / (1 << 20) / row["wall_s"]
-
-
-def full_store_targets(d: dict[str, Any] | None, label: str) -> list[tuple[str, str, str, str]]:
-    """The full-store targets: a full two-tier store puts at >= 50 % of its rate with room
-    and no put call takes over 10 ms; 2 and 4 writers at once store at least what one
-    alone does."""
-    if not d or "with room" not in d:
-        return []
-    room, one = _stored_rate(d["with room"]), d["full, 1 process"]
-    share = _stored_rate(one) / room
-    rows = [
-        (f"full two-tier store, put rate vs with room, {label}", f">= {100 * FULL_SHARE:.0f} %",
-         f"{100 * share:.0f} % ({_stored_rate(one):.0f} of {room:.0f} MiB/s)",
-         _verdict(share >= FULL_SHARE)),
-        (f"full two-tier store, slowest put call, {label}", f"<= {FULL_SLOWEST_MS:.0f} ms",
-         f"{one['slowest_ms']:.1f} ms (host jitter beside disk writes: "
-         f"{d['host jitter']['beside_disk_writes_ms']:.1f} ms)",
-         _verdict(one["slowest_ms"] <= FULL_SLOWEST_MS)),
-    ]  # fmt: skip
-    for n in (2, 4):
-        row = d.get(f"full, {n} processes")
-        if row is None:
-            continue
-        ratio = _stored_rate(row) / _stored_rate(one)
-        rows.append((f"full two-tier store, {n} processes at once vs one alone, {label}",
-                     ">= 100 %", f"{100 * ratio:.0f} %", _verdict(ratio >= 1.0)))  # fmt: skip
-    return rows
-
-
-def full_store_table(d: dict[str, Any]) -> list[str]:
-    """Section 5's table of the two-tier rows."""
-    head = ("phase", "stored MiB/s", "offered MiB/s", "skipped", "written around",
-            "median call", "p99.9", "slowest call")  # fmt: skip
-    rows = []
-    for name, row in d.items():
-        if not isinstance(row, dict) or "stored" not in row:
-            continue
-        skipped = 1 - row["stored"] / row["offered"] if row["offered"] else 0.0
-        offered = row["offered"] / (1 << 20) / row["wall_s"]
-        around = sum(e.get("around_bytes", 0) for e in row.get("each", [row]))
-        around_share = f"{100 * around / row['stored']:.0f} %" if row["stored"] else "-"
-        rows.append((name, f"{_stored_rate(row):.0f}", f"{offered:.0f}",
-                     f"{100 * skipped:.0f} %", around_share, f"{row['median_ms']:.2f} ms",
-                     f"{row['p999_ms']:.1f} ms", f"{row['slowest_ms']:.1f} ms"))  # fmt: skip
-    tiers = d["tiers"]
-    jitter = d["host jitter"]
-    return [
-        f"**The store as the connector builds it** (spilling on): a {tiers['memory'] >> 20} MiB "
-        f"memory tier of {tiers['segment'] >> 20} MiB segments over a {tiers['disk'] >> 30} GiB "
-        "disk tier. `with room`: one process puts half the memory tier into a new store "
-        f"(the median of {len(d['with room'].get('passes_mib_s', [0]))} such stores, "
-        f"MiB/s {', '.join(f'{r:.0f}' for r in d['with room'].get('passes_mib_s', []))}). "
-        f"`full`: {d['seconds']:g} s of puts by 1, 2 and 4 processes at once, once both tiers "
-        "are full (each phase starts quiet: reserve refilled, dirty pages written back; "
-        "before any Mooncake row, whose storage node keeps its values in memory). "
-        "`written around`: the share of the bytes stored that went around the dry memory "
-        "tier into ready segments of the disk tier (one copy, not a put and a spill). "
-        "A batch answered False (skipped: no segment ready in either tier) is followed "
-        "by a pause as "
-        f"long as a stored batch takes with room ({d['pace_ms']:.2f} ms), as a producer's "
-        "next values come no sooner. Host jitter: the slowest pass of a loop of two 1 MiB "
-        f"copies, {jitter['alone_ms']:.1f} ms alone and {jitter['beside_disk_writes_ms']:.1f} "
-        "ms beside a process rewriting files as fast as it can (what the cleaner does).",
-        "",
-        bc.table(head, rows),
-        "",
-    ]
-
-
-def store_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
-    """Summary rows of the store targets (issue #27): each tier's put and get into buffers
-    as a share of memcpy in the same run, per value size; fsync and several processes
-    reported."""
-    if not d or "sizes" not in d:
-        return []
-    rows: list[tuple[str, str, str, str]] = []
-    for size_label, sd in d["sizes"].items():
-        res = sd["results"]
-        judged = sd.get("judged", True)  # False: a size the connector does not store
-        label = f"{size_label} ({sd['what']})" if sd.get("what") else size_label
-
-        def target(
-            what: str,
-            path: str,
-            op: str,
-            goal: float,
-            res: dict = res,
-            label: str = label,
-            judged: bool = judged,
-        ) -> None:
-            got = _share(res, path, op)
-            if got is None:
-                return
-            if not judged:
-                rows.append((f"{what}, {label}", "report", f"{100 * got:.0f} %",
-                             "(information: not a value the connector stores)"))  # fmt: skip
-                return
-            verdict = _verdict(got >= goal)
-            if got < goal:
-                verdict += ": where the time goes, section 5"
-            rows.append((f"{what}, {label}", f">= {100 * goal:.0f} % of memcpy",
-                         f"{100 * got:.0f} %", verdict))  # fmt: skip
-
-        target("memory tier put", "memory tier", "put", MEMORY_TARGET)
-        target("memory tier get into buffers", "memory tier", "get_into", MEMORY_TARGET)
-        target("disk tier put (page cache)", "disk tier", "put", DISK_TARGET)
-        target("disk tier get into buffers", "disk tier", "get_into", DISK_TARGET)
-        for name, what in (
-            ("disk tier (fsync)", "disk tier put with fsync"),
-            ("memory tier, 2 processes", "memory tier put, 2 processes at once"),
-            ("memory tier, 4 processes", "memory tier put, 4 processes at once"),
-            ("disk tier, 2 processes", "disk tier put, 2 processes at once"),
-            ("disk tier, 4 processes", "disk tier put, 4 processes at once"),
-        ):
-            got = _share(res, name, "put")
-            if got is not None:
-                rows.append((f"{what}, {label}", "report", f"{100 * got:.0f} %", "(information)"))
-        rows.extend(full_store_targets(res.get(FULL_STORE), label))
-        mcc = "mooncake client (ceiling)"
-        for mc, how in (
-            ("mooncake (TCP loopback, node)", ""),
-            ("mooncake, values in registered memory (zero-copy put)", " (registered memory)"),
-        ):
-            for op, what in (("put", "put"), ("get_into", "get into buffers")):
-                got, ceiling = _share(res, mc, op), _median(res.get(mcc, {}).get(op))
-                raw = _median(res.get(mc, {}).get(op))
-                if got is not None and raw is not None and ceiling:
-                    rows.append((f"Mooncake {what}{how} vs its own batch calls, {label}",
-                                 "report",
-                                 f"{100 * raw / ceiling:.0f} % ({100 * got:.0f} % of memcpy)",
-                                 "(information)"))  # fmt: skip
-    return rows
-
-
-def section_hooks(data: dict[str, Any]) -> list[str]:
-    core, hooks, dump = data.get("core"), data.get("hooks"), data.get("dump_hook")
-    lines = ["## 1. Hook overhead", ""]
-    lines += [
-        "Per layer call, on the real wrapper code bound to real vLLM modules (`bench_hooks.py`:",
-        "GDN wrappers around a no-op core; `registry` = applied by a real Registry, what runs",
-        "in production; `wrapt` and `closure` show what each application layer costs), and the",
-        "save path with a dump into the real `UCMPatchConnector` and `DumpScheduler`",
-        "(`bench_dump_hook.py`: 48 layers, one storage row each, so every call submits a dump;",
-        "the dumps run on the scheduler's threads meanwhile). Start-up and apply cost:",
-        "`bench_core.py`.",
-        "",
-    ]
-    if core:
-        s, a = core["start"], core["apply"]
-        warm_ms = core.get("apply_wrapt_imported", {}).get("apply_ms", float("nan"))
-        lines += [
-            bc.table(
-                ("measure", "value", "budget"),
-                [
-                    (
-                        "`import ucm_patch` added to interpreter start (the installed wheel, "
-                        "byte-compiled, in `python -S`: every stdlib module it needs is "
-                        "counted, an upper bound)",
-                        f"{s['added_ms']:.1f} ms",
-                        "< 30 ms",
-                    ),
-                    (
-                        "same, this development venv (editable install"
-                        + (
-                            ""
-                            if s.get("dev_venv_bytecode_cached", True)
-                            else "; `PYTHONDONTWRITEBYTECODE=1`: sources compiled on every import"
-                        )
-                        + ")",
-                        f"{s.get('dev_venv_added_ms', float('nan')):.1f} ms",
-                        "(information)",
-                    ),
-                    ("heavy modules it imports", s["heavy_modules_imported"], "none"),
-                    (
-                        f"apply {a['applied']} of {a['records']} records (targets imported; "
-                        "gating, wrapping; wrapt is imported only for a target a trampoline "
-                        "cannot take)",
-                        f"{a['apply_ms']:.2f} ms",
-                        "< 5 ms",
-                    ),
-                    (
-                        "same, wrapt already imported",
-                        f"{warm_ms:.2f} ms",
-                        "(information)",
-                    ),
-                ],
-            ),
-            "",
-        ]
-    if hooks:
-        lines += [
-            bc.table(
-                (
-                    "case",
-                    "path",
-                    "applied as",
-                    "bare ns",
-                    "wrapped ns",
-                    "added ns",
-                    "issue-3 budget",
-                ),
-                [
-                    (
-                        r["case"],
-                        r["path"],
-                        r["applied_as"],
-                        f"{r['baseline_ns']:.0f}",
-                        f"{r['wrapped_ns']:.0f}",
-                        f"{r['added_ns']:.0f}",
-                        f"{r['budget_ns']:.0f}",
-                    )
-                    for r in hooks
-                ],
-            ),
-            "",
-            "How to read it: `closure` is the wrapper body called from a plain",
-            "`*args, **kwargs` function; `wrapt` is the same body under wrapt's C",
-            "`FunctionWrapper`, which on this VM costs more than the body itself (a bound",
-            "wrapper per attribute access for a method,",
-            "and keyword arguments repacked into dicts twice); `registry` is production: the",
-            "record applied by a real Registry, which installs an exact-signature trampoline",
-            "(`ucm_patch/trampoline.py`) with the call-time guard inline. With no connector its",
-            "`enabled` check (for the GDN records a frame-free `functools.partial(getattr,",
-            "kv_transfer_state, '_KV_CONNECTOR_AGENT')`) sends the call to the original from the",
-            "trampoline's single frame; a method binds like any function (no allocation) and",
-            "vLLM's keyword call lands in real parameters. Timings on this VM swing by up to 2x",
-            "between runs of the same code, so compare rows of one run only.",
-            "",
-        ]
-    if dump:
-        res = dump["results"]
-        lines += [
-            f"Save path with a dump: {res['layers']} layers, {res['requests']} requests x "
-            f"{res['blocks_per_request']} blocks per step, {res['steps']} steps, "
-            f"{res['dumps_completed']} dumps completed.",
-            "",
-            bc.table(
-                (
-                    "path",
-                    "ns per call (median)",
-                    "added over bare",
-                    "added, step mean incl. GIL stalls",
-                ),
-                [
-                    (
-                        n,
-                        f"{r['ns_per_call_median']:.0f}",
-                        f"{r['added_ns']:.0f}",
-                        f"{r['added_ns_incl_stalls']:.0f}",
-                    )
-                    for n, r in res["paths"].items()
-                ],
-            ),
-            "",
-            '"incl. GIL stalls" is the mean over the whole 48-layer loop: it includes the calls',
-            "that waited for the GIL while a dump thread ran Python code (the page copy and the",
-            "store call release it). On a GPU host the forward thread would mostly be waiting",
-            "for the device at those moments.",
-            "",
-        ]
-        lines += dump_profile(res)
-    if hooks or dump:
-        lines += ["![hook overhead](img/hooks.png)", ""]
-    if core:
-        lines += ["![core](img/core.png)", ""]
-    else:
-        lines += [
-            "`bench_core.py` (import and apply cost) did not produce results in this run.",
-            "",
-        ]
-    return lines
-
-
-def dump_profile(res: dict[str, Any]) -> list[str]:
-    """The G2 profile: each piece of the wrapper -> connector path timed alone."""
-    parts = res.get("profile")
-    if not parts:
-        return []
-    unit = parts["Python call, 5 arguments (the unit)"] - parts["empty loop"]
-    paths = res["paths"]
-    wrapper = paths["GDN kernel wrapper -> connector, with a dump"]["added_ns"]
-    return [
-        "**Profile of the GDN save path (goal G2, <= 1.5 us).** Each piece alone (fastest",
-        "of 300 loops, ns per call; `bench_dump_hook.profile`):",
-        "",
-        bc.table(("piece", "ns per call"), [(k, f"{v:.0f}") for k, v in parts.items()]),
-        "",
-        f"The path with a dump adds {wrapper:.0f} ns: ten Python frames (trampoline, layer",
-        "bracket, `has_connector_metadata`, `wait_for_layer_load`, shim, the kernel,",
-        "`save_kv_layer`, `submit_layer`, `EventLedger.resolve`, the event's `record`) and",
-        "the attribute loads, compares and counter updates between them, with no lock,",
-        "allocation, import or log line left (`tests/test_hot_paths.py`). A call with five",
-        f"arguments costs {unit:.0f} ns over an empty loop on this CPU; the trampoline and",
-        f"guard alone cost {parts['trampoline + guard around a pass-through wrapper']:.0f} ns,",
-        "the enqueue with its event (`submit_layer`) "
-        f"{parts['DumpScheduler.submit_layer (resolve + enqueue)']:.0f} ns. The limit is the",
-        "interpreter's cost per operation here, not waiting, locking or copying. Below",
-        "1.5 us on this machine would take fusing frames (the bracket generated into the",
-        "trampoline, dropping the guard's shim) or moving the submit into C.",
-        "",
-    ]
-
-
-def section_step(data: dict[str, Any]) -> list[str]:
-    d = data.get("step")
-    lines = ["## 2. Step overhead on real vLLM CPU", ""]
-    if not d:
-        return [*lines, "Not run.", ""]
-    p = d["params"]
-    lines += [
-        f"The same workload ({p['prompts']} prompts x {p['prompt_len']} tokens, "
-        f"{p['max_tokens']} generated tokens each, prefix caching off, bf16, eager, "
-        "single process) in fresh vLLM processes, alternating `UCM_PATCH=0` and ucm_patch on "
-        f"for {p['pairs']} pairs; {p['reps']} timed `llm.generate` calls per process after "
-        f"{p['warmup']} warm-up calls. No KV connector is configured. Ratio = median(on) / "
-        "median(off); the 95 % interval is a bootstrap over the per-call times.",
-        "",
-        bc.table(
-            (
-                "model",
-                "records applied (on)",
-                "off, ms/generate",
-                "on, ms/generate",
-                "ratio of medians",
-                "95 % CI",
-                "ratio of minima",
-                "per-pair ratios",
-                "wrapped calls / generate",
-                "per-call bound",
-                "target <= 1.01",
-            ),
-            [
-                (
-                    r["model"],
-                    ", ".join(r["records_applied_on"]) or "none",
-                    f"{r['off_ms_median']:.1f}",
-                    f"{r['on_ms_median']:.1f}",
-                    f"{r['ratio']:.4f}",
-                    f"{r['ratio_ci95'][0]:.3f} - {r['ratio_ci95'][1]:.3f}",
-                    _fmt(r.get("ratio_min"), ".4f"),
-                    ", ".join(f"{x:.3f}" for x in r["pair_ratios"]),
-                    r.get("wrapped_calls_per_generate", "n/a"),
-                    _fmt(step_bound(r, data.get("hooks")), ".5f"),
-                    step_verdict(r, step_bound(r, data.get("hooks"))),
-                )
-                for r in d["results"].values()
-            ],
-        ),
-        "",
-        "Per-call bound = 1 + (wrapped layer calls per `generate`) x (idle cost of one",
-        "registry-applied op-kernel wrapper, section 1) / (time per `generate` without",
-        "ucm_patch): what ucm_patch's wrappers can add when no connector is configured, from",
-        "two figures that are each measured precisely. The end-to-end ratio checks it, within",
-        "the noise of whole vLLM processes on this machine.",
-        "",
-    ]
-    toggled = [r for r in d["results"].values() if r.get("toggle")]
-    if toggled:
-        lines += [
-            "In one process (precise): the record switched off (reverted: vLLM's own kernel",
-            "is current again) and on again before each of two adjacent `generate` calls, order",
-            "alternating; ratio = median of the per-pair ratios, 95 % bootstrap over pairs.",
-            "",
-            bc.table(
-                ("model", "record toggled", "pairs", "off, ms", "on, ms", "ratio", "95 % CI",
-                 "target <= 1.01"),
-                [
-                    (
-                        r["model"],
-                        r["toggle"]["record"],
-                        r["toggle"]["pairs"],
-                        f"{r['toggle']['off_ms_median']:.1f}",
-                        f"{r['toggle']['on_ms_median']:.1f}",
-                        f"{r['toggle']['ratio']:.4f}",
-                        f"{r['toggle']['ratio_ci95'][0]:.3f} - {r['toggle']['ratio_ci95'][1]:.3f}",
-                        step_verdict(r["toggle"], None),
-                    )
-                    for r in toggled
-                ],
-            ),
-            "",
-        ]  # fmt: skip
-    wide = [r for r in d["results"].values() if r["ratio_ci95"][1] - r["ratio_ci95"][0] > 0.02]
-    if wide:
-        lines += [
-            "The confidence interval is wider than the 1 % being tested for "
-            + ", ".join(r["model"] for r in wide)
-            + ": process-to-process and load noise on this 2-core machine is larger than the",
-            "effect; there the point estimate is the best available figure, not a proof. Where",
-            "an in-process row exists, it is the precise figure.",
-            "",
-        ]
-    lines += ["![step overhead](img/step.png)", ""]
-    return lines
-
-
-def section_overlap(data: dict[str, Any]) -> list[str]:
-    d = data.get("overlap")
-    lines = ["## 3. Dump overlap", ""]
-    if not d:
-        return [*lines, "Not run.", ""]
-    a, b = d["results"].get("scheduler"), d["results"].get("vllm")
-    if a:
-        lines += [
-            f"**A. Scheduler level.** {a['layers']} layers of single-threaded matmul "
-            f"({a['compute_ms_per_step']:.1f} ms per step; the GIL is released as while a device "
-            f"computes), {a['requests']} requests x {a['kv_bytes_per_request_layer'] // 1024} KiB "
-            f"per layer dumped ({a['bytes_per_step'] / 2**20:.1f} MiB per step), {a['workers']} "
-            "dump threads. The store spends a controlled latency + bytes / bandwidth sleeping "
-            "(GIL released, like I/O); its bandwidth is set so the dump work is the given "
-            "fraction of the compute. `sync layerwise` copies and puts inside each layer, as "
-            "vLLM's ExampleConnector does; `ucm blocking` is our scheduler with "
-            "`blocking_finish=True` (the step end waits for its dumps, UCM #989 behaviour).",
-            "",
-            bc.table(
-                (
-                    "dump work / compute",
-                    "mode",
-                    "no dumps, ms",
-                    "with dumps, ms",
-                    "ratio (<= 1.05)",
-                    "95 % CI",
-                    "dump work ms",
-                    "hidden (>= 95 %)",
-                ),
-                [
-                    (
-                        f"{row['load']:.2f}",
-                        mode,
-                        f"{row['step_ms_none']:.2f}",
-                        f"{m['step_ms']:.2f}",
-                        f"{m['ratio']:.3f}",
-                        f"{m['ratio_ci95'][0]:.3f} - {m['ratio_ci95'][1]:.3f}",
-                        f"{m['dump_work_ms']:.2f}",
-                        f"{m['hidden_share'] * 100:.1f} %",
-                    )
-                    for row in a["rows"]
-                    for mode, m in row["modes"].items()
-                ],
-            ),
-            "",
-            "Steps columns: medians over all rounds. Ratio and step increase are paired by",
-            "round (every mode runs its steps back to back within a round, rounds repeat): the",
-            "median of the per-round ratios of per-round medians, with a 95 % bootstrap",
-            "interval over rounds, so drift between rounds (VM load, CPU frequency) cancels.",
-            "hidden = 1 - (median per-round step increase) / (dump work time); a negative",
-            "value means the step grew by more than the dump work itself (each synchronous put",
-            "also costs a thread wake-up and cache misses in the forward thread).",
-            "",
-        ]
-    if b:
-        lines += [
-            f"**B. Real vLLM CPU.** {b['model']}, {b['prompts']} fresh {b['prompt_len']}-token "
-            "prompts per `llm.generate` (prefill only, every block is dumped), "
-            f"{b['rounds']} rounds, modes interleaved inside one process per connector. Both "
-            f"connectors write through the same controlled store: {b['store_latency_us']:.0f} us "
-            f"per put call + {b['store_bandwidth_MBps']:.0f} MB/s (set so the dump work is about "
-            "half of the prefill), on top of their real writes (our local store's files; "
-            "ExampleConnector's safetensors files). Ratio, interval and hidden share are "
-            "paired by round, as in A (one `generate` per mode per round).",
-            "",
-            bc.table(
-                (
-                    "connector",
-                    "mode",
-                    "dumps off, ms",
-                    "dumps on, ms",
-                    "ratio",
-                    "95 % CI",
-                    "dump work ms",
-                    "hidden",
-                ),
-                [
-                    (
-                        r["connector"],
-                        r["mode"],
-                        f"{r['ms_without']:.1f}",
-                        f"{r['ms_with']:.1f}",
-                        f"{r['ratio']:.3f}",
-                        f"{r['ratio_ci95'][0]:.3f} - {r['ratio_ci95'][1]:.3f}",
-                        f"{r['dump_work_ms']:.1f}",
-                        "n/a" if r["hidden_share"] is None else f"{r['hidden_share'] * 100:.1f} %",
-                    )
-                    for r in b["rows"]
-                ],
-            ),
-            "",
-            'On this host the "device" is the CPU: by default vLLM computes with an OpenMP team',
-            "on every core, so the CPU part of a dump (page copy, checksum, file write) competes",
-            "with compute instead of overlapping it; only the store's latency is free to hide.",
-            "The `compute on 1 thread` rows run the same workload with `OMP_NUM_THREADS=1`",
-            "(`VLLM_CPU_OMP_THREADS_BIND=nobind`), dumps off and on alike: the second core is",
-            "left to the dump threads, as a GPU host's CPU is while its device computes. That",
-            "is the row held to the budget; the all-cores row is shown for information. In",
-            "`blocking` mode the wait happens in the *next* step's `get_finished` (vLLM reports a",
-            "request finished one step later), after that step's forward, so it only shows when",
-            "a step's dumps outlast the following step.",
-            "",
-        ]
-        if "example_error" in b:
-            lines += [f"ExampleConnector did not run: `{b['example_error']}`", ""]
-    lines += ["![dump overlap](img/overlap.png)", ""]
-    return lines
-
-
-def section_ttft(data: dict[str, Any]) -> list[str]:
-    d = data.get("ttft")
-    lines = ["## 4. Time to first token on a prefix hit", ""]
-    if not d:
-        return [*lines, "Not run.", ""]
-    p = d["params"]
-    lines += [
-        f"Model: {p['model']} ({p['model_params'] / 1e6:.0f} M parameters, random weights), "
-        f"vLLM single process, eager. Per repetition ({p['reps']} for ours and for no "
-        f"connector, {p.get('peer_reps', p['reps'])} for the peers): a fresh "
-        f"{p['prompt_len']}-token prompt is computed and stored (`cold`); its first "
-        f"{p['shared_tokens']} tokens ({p['hit_share'] * 100:.0f} %) plus a new tail are sent "
-        "while it is still in vLLM's own prefix cache (`vLLM prefix cache`, no connector "
-        "load); then vLLM's prefix cache is reset and the shared prefix plus another new tail "
-        "can only come from the connector (`80 % hit`); a fresh prompt of the same length is "
-        "the miss (`recompute`); after another reset the original prompt is sent again "
-        "(`replay`: a whole-prompt hit). TTFT = wall time of `llm.generate` with "
-        "`max_tokens=1`; speed-up = median(recompute) / median(80 % hit), same process.",
-        "",
-    ]
-    rows = []
-    for kind, r in d["results"].items():
-        label = d["labels"].get(kind, kind)
-        if "error" in r:
-            rows.append((label, "does not run on vLLM CPU", "", "", "", "", "", f"`{r['error']}`"))
-            continue
-        ms, ct = r["ms"], r["cached_tokens"]
-        rows.append(
-            (
-                label,
-                f"{ms['cold']:.0f}",
-                f"{ms['recompute']:.0f}",
-                f"{ms['hit']:.0f} ({ct['hit']:.0f})",
-                f"**{r['speedup_hit']:.2f}x**",
-                f"{ms['replay']:.0f} ({ct['replay']:.0f})",
-                f"{ms['vllm_prefix_cache']:.0f} ({ct['vllm_prefix_cache']:.0f})",
-                r.get("note", ""),
-            )
-        )
-    lines += [
-        bc.table(
-            (
-                "connector",
-                "cold ms",
-                "recompute ms",
-                "80 % hit ms (tokens cached)",
-                "speed-up (>= 4x)",
-                "replay ms (cached)",
-                "vLLM prefix cache ms (cached)",
-                "note",
-            ),
-            rows,
-        ),
-        "",
-        "Published peer figures (GPU, not reproducible here): UCM #656 3.26-3.86x at 80 % hit",
-        "(H20, QwQ-32B); vLLM OffloadingConnector 2-22x (H100, Llama-3.1-8B). On this CPU the",
-        "hit request still computes the new 20 % of the prompt with attention over all of it,",
-        "and the load competes with that compute for the same two cores, so the speed-up",
-        "ceiling is lower than on a GPU where the load is a DMA.",
-        "",
-        *ttft_profile(d),
-        "![TTFT](img/ttft.png)",
-        "",
-    ]
-    return lines
-
-
-def ttft_profile(d: dict[str, Any]) -> list[str]:
-    """Where the hit's time goes: the tail's own compute (vLLM's prefix cache serving the
-    same prefix with no load) and what the connector adds on top of it."""
-    r = d["results"].get("ucm")
-    if not r or "error" in r:
-        return []
-    ms, p = r["ms"], d["params"]
-    ceiling = ttft_ceiling(r)
-    tail = ms["vllm_prefix_cache"]
-    added = ms["hit"] - tail
-    tokens = p["prompt_len"] - p["shared_tokens"]
-    share_tokens = 100 * tokens / p["prompt_len"]
-    share_time = 100 * tail / ms["recompute"]
-    verdict = (
-        "The target is above this ceiling: on this CPU the remaining time is the model's own "
-        "compute of the tail, not the connector."
-        if ceiling < TTFT_TARGET
-        else "The ceiling is above the target."
-    )
-    text = (
-        f"**Ceiling and profile (target >= {TTFT_TARGET:g}x).** The best any connector can "
-        "do here is vLLM's own prefix cache serving the same prefix with no load at all "
-        f"(same process, same tail length): {tail:.0f} ms against {ms['recompute']:.0f} ms to "
-        f"recompute, a ceiling of **{ceiling:.2f}x**. That time is the compute of the "
-        f"{tokens} new tokens with attention over all {p['prompt_len']}: {share_tokens:.0f} % "
-        f"of the tokens cost {share_time:.0f} % of the recompute. Our hit takes "
-        f"{ms['hit']:.0f} ms, {added:+.0f} ms over the ceiling (the lookup, reading "
-        f"{p['shared_tokens']} tokens' pages from the store and writing them into the KV "
-        f"cache): {100 * r['speedup_hit'] / ceiling:.0f} % of the ceiling. {verdict}"
-    )
-    return [*textwrap.wrap(text, 88), ""]
-
-
-def section_stores(data: dict[str, Any]) -> list[str]:
-    import statistics
-
-    d = data.get("stores")
-    lines = ["## 5. Store throughput", ""]
-    if not d or "sizes" not in d:
-        return [*lines, "Not run.", ""]
-    lines += [
-        "Values of each size, in batches of 2 MiB of values, against the memory-copy ceiling "
-        f"of the same run (`bench_stores.py --help`: what each row does); segments of "
-        f"{d['params']['segment'] >> 20} MiB. MiB/s, median / best of "
-        f"{d['params']['repeat']} rounds. Reads are hot (page cache), as right after a "
-        "dump. `put (new segments)` is the first fill of an empty store: the kernel "
-        "allocates and zeroes each segment's pages then, once for the life of the segment "
-        "file; `put` writes into a full store, every segment reused (the steady state), "
-        "and is what the targets use.",
-        "",
-    ]
-
-    def cell(xs: list[float] | None) -> str:
-        return f"{statistics.median(xs):.0f} / {max(xs):.0f}" if xs else ""
-
-    for label, sd in d["sizes"].items():
-        res = sd["results"]
-        mem = statistics.median(res["memcpy"]["memcpy into preallocated"])
-        rows = [(what, cell(xs), "", "", "") for what, xs in res["memcpy"].items()]
-        for name, ops in res.items():
-            if name == "memcpy":
-                continue
-            for put in [k for k in ops if k.startswith("put")]:
-                first = put == "put"
-                shares = " / ".join(
-                    f"{100 * share:.0f} %"
-                    if (share := bc.memcpy_share(ops, k, mem)) is not None
-                    else "-"
-                    for k in ((put, "get_into") if first else (put,))
-                )
-                rows.append((
-                    name if first else f"{name}, {put[4:].strip('()')}",
-                    cell(ops.get(put)),
-                    cell(ops.get("get")) if first else "",
-                    cell(ops.get("get_into")) if first else "",
-                    shares,
-                ))  # fmt: skip
-        head = ("path", "put", "get (bytes)", "get into buffers", "put / get into vs memcpy")
-        lines += [
-            f"### {label} values"
-            + (f": {sd['what']}" if sd.get("what") else "")
-            + f" ({sd['count']} per round, {sd['batch']} per batch)",
-            "",
-            bc.table(head, rows),
-            "",
-        ]
-        lines += _store_profile(label, sd)
-        if FULL_STORE in res:
-            lines += full_store_table(res[FULL_STORE])
-    lines += [
-        "Where a put's time goes (per value, from the rows above): the copy (`memcpy`), "
-        "the frame checksum over data not yet in the cache (`xxh3`: the store computes it "
-        "on its own copy, while the bytes are in the cache, so it costs less there: the "
-        "memory tier copies and frames a batch in one native call, piece by piece; for "
-        "a large value into the disk tier the copy runs on the calling thread's sidecar "
-        "thread while the checksum runs on the caller, both without the GIL, so the two "
-        "overlap and the rest is counted past the longer of them: "
-        "hooks/stores/sidecar.py), and "
-        "the rest: the index transaction (LMDB), the segment lease, emptying the least "
-        "recently used segment (its stale index entries, deleted in the transaction that "
-        "empties it) and the "
-        "interpreter's work per value. The rest is fixed per value, so it weighs on 64 "
-        "KiB values 32 times as much as on 2 MiB ones: that is why the connector does not "
-        "store a GPU page per value but chunks of pages (docs/CONNECTOR.md#chunks-a-value-"
-        "is-many-pages): the 1 MiB rows are 16 GPU pages of 64 KiB in one value, the "
-        "64 KiB rows the page-per-value layout they replaced (reported, not a target). "
-        "The `LMDB (values in LMDB)` rows "
-        "are the candidate of docs/CONNECTOR.md#store with the same frame but no LRU "
-        "bookkeeping and no eviction.",
-        "",
-        "![stores](img/stores.png)",
-        "",
-    ]
-    return lines
-
-
-def _store_profile(label: str, sd: dict[str, Any]) -> list[str]:
-    """Microseconds per value of the memcpy, the checksum and each tier's put / get."""
-    import statistics
-
-    res, size = sd["results"], sd["size"]
-
-    def us(xs: list[float] | None) -> float | None:
-        return size / (statistics.median(xs) * (1 << 20)) * 1e6 if xs else None
-
-    from ucm_patch.hooks.stores.tier import PIECE
-
-    copy = us(res["memcpy"]["memcpy into preallocated"])
-    xxh = us(res["memcpy"]["xxh3 (the frame checksum)"])
-    rows = []
-    for name in ("memory tier", "disk tier"):
-        # the memory tier frames on its copy in one native call; the disk tier's large
-        # values are copied on the sidecar beside the checksum
-        beside = name == "disk tier" and size >= PIECE
-        for op in ("put", "get_into"):
-            t = us(res.get(name, {}).get(op))
-            if t is None or copy is None or xxh is None:
-                continue
-            if op != "put":
-                hashed, rest = "(on the copy)", t - copy
-            elif beside:  # the copy runs on the sidecar while the checksum runs here
-                hashed, rest = f"{xxh:.1f}, beside the copy", t - max(copy, xxh)
-            else:
-                hashed, rest = f"{xxh:.1f}", t - copy - xxh
-            rows.append((f"{name} {op.replace('_', ' ')}", f"{t:.1f}", f"{copy:.1f}",
-                         hashed, f"{rest:.1f}"))  # fmt: skip
-    if not rows:
-        return []
-    head = ("per value, " + label, "µs", "of it: memcpy", "xxh3 (uncached)", "the rest")
-    return [bc.table(head, rows), ""]
-
-
-# ======================================================================================
-# main
-# ======================================================================================

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import bench_common as bc
+
 #: Beside a Python thread, loads keep at least this share of their speed alone.
 BESIDE_SHARE = 0.50
 #: Host CPU-seconds the load threads may spend per GB loaded.
@@ -13,10 +15,6 @@ CPU_S_PER_GB = 0.3
 WALL_VS_FLOOR = 1.25
 #: The first load in a new process, at most this many times a steady one.
 FIRST_VS_STEADY = 1.1
-
-
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "**missed**"
 
 
 def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
@@ -29,13 +27,13 @@ def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, st
     rows = [
         (f"load proxy, beside a Python thread vs alone ({what})", f">= {BESIDE_SHARE:.0%}",
          f"{s['beside_share']:.1%} ({s['beside_python_gbps']:.2f} of {s['alone_gbps']:.2f} GB/s)",
-         _verdict(s["beside_share"] >= BESIDE_SHARE)),
+         bc.verdict(s["beside_share"] >= BESIDE_SHARE)),
         ("load proxy, load threads' CPU-seconds per GB", f"<= {CPU_S_PER_GB}",
-         f"{s['cpu_s_per_gb']:.2f}", _verdict(s["cpu_s_per_gb"] <= CPU_S_PER_GB)),
+         f"{s['cpu_s_per_gb']:.2f}", bc.verdict(s["cpu_s_per_gb"] <= CPU_S_PER_GB)),
         ("load proxy, wall alone vs memcpy and XXH3 side by side", f"<= {WALL_VS_FLOOR}x",
-         f"{s['wall_vs_floor']:.2f}x", _verdict(s["wall_vs_floor"] <= WALL_VS_FLOOR)),
+         f"{s['wall_vs_floor']:.2f}x", bc.verdict(s["wall_vs_floor"] <= WALL_VS_FLOOR)),
         ("load proxy, first load in a new process vs steady", f"<= {FIRST_VS_STEADY}x",
-         f"{s['first_vs_steady']:.2f}x", _verdict(s["first_vs_steady"] <= FIRST_VS_STEADY)),
+         f"{s['first_vs_steady']:.2f}x", bc.verdict(s["first_vs_steady"] <= FIRST_VS_STEADY)),
         ("load proxy, GIL waits per value beside a Python thread", "(information)",
          f"{s['gil_waits_per_value']:.2f}", "(information)"),
     ]  # fmt: skip
@@ -45,13 +43,13 @@ def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, st
         rows += [
             (f"dump proxy, beside a Python thread vs alone ({dumps['threads']} dump threads)",
              f">= {BESIDE_SHARE:.0%}", f"{u['beside_share']:.1%} ({u['beside_python_gbps']:.2f} "
-             f"of {u['alone_gbps']:.2f} GB/s)", _verdict(u["beside_share"] >= BESIDE_SHARE)),
+             f"of {u['alone_gbps']:.2f} GB/s)", bc.verdict(u["beside_share"] >= BESIDE_SHARE)),
             ("dump proxy, dump threads' CPU-seconds per GB", f"<= {CPU_S_PER_GB}",
-             f"{u['cpu_s_per_gb']:.2f}", _verdict(u["cpu_s_per_gb"] <= CPU_S_PER_GB)),
+             f"{u['cpu_s_per_gb']:.2f}", bc.verdict(u["cpu_s_per_gb"] <= CPU_S_PER_GB)),
             ("dump proxy, wall alone vs memcpy and XXH3 side by side", f"<= {WALL_VS_FLOOR}x",
-             f"{u['wall_vs_floor']:.2f}x", _verdict(u["wall_vs_floor"] <= WALL_VS_FLOOR)),
+             f"{u['wall_vs_floor']:.2f}x", bc.verdict(u["wall_vs_floor"] <= WALL_VS_FLOOR)),
             ("dump proxy, first dump in a new process vs steady", f"<= {FIRST_VS_STEADY}x",
-             f"{u['first_vs_steady']:.2f}x", _verdict(u["first_vs_steady"] <= FIRST_VS_STEADY)),
+             f"{u['first_vs_steady']:.2f}x", bc.verdict(u["first_vs_steady"] <= FIRST_VS_STEADY)),
             ("dump proxy, GIL waits per value beside a Python thread", "(information)",
              f"{u['gil_waits_per_value']:.2f}", "(information)"),
         ]  # fmt: skip

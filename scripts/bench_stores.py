@@ -259,9 +259,7 @@ def _two_tier_store(base: Path, size: int) -> Any:
 def _quiet(store: Any) -> None:
     """A timed phase starts on a quiet store: the warmer done, the reserve refilled, and the
     disk tier's dirty pages written back (the last phase's spills do not run into it)."""
-    warmer = store.memory._warmer
-    if warmer is not None:
-        warmer.join()
+    store.memory.wait_warm()
     store.memory.cleaner.wait_idle(120)
     os.sync()
 
@@ -581,7 +579,8 @@ def bench_mooncake_client(store: Any, values: list[bytes], batch: int, repeat: i
     the transport's ceiling, without this store's framing or staging copy."""
     size = len(values[0])
     n = min(len(values), batch)
-    with store._oversize(n * size) as buf:
+    client = store.client
+    with store.registered_buffer(n * size) as buf:
         for i in range(n):
             buf.view[i * size : (i + 1) * size] = values[i]
         ptrs = [buf.addr + i * size for i in range(n)]
@@ -593,12 +592,12 @@ def bench_mooncake_client(store: Any, values: list[bytes], batch: int, repeat: i
 
             def do_put(keys: list[list[str]] = keys) -> None:
                 for chunk in keys:
-                    if any(rc < 0 for rc in store._client.batch_put_from(chunk, ptrs, sizes)):
+                    if any(rc < 0 for rc in client.batch_put_from(chunk, ptrs, sizes)):
                         raise SystemExit("bench: mooncake batch_put_from failed")
 
             def do_get(keys: list[list[str]] = keys) -> None:
                 for chunk in keys:
-                    if any(rc < 0 for rc in store._client.batch_get_into(chunk, ptrs, sizes)):
+                    if any(rc < 0 for rc in client.batch_get_into(chunk, ptrs, sizes)):
                         raise SystemExit("bench: mooncake batch_get_into failed")
 
             put.append(_rate(rounds * n * size, do_put))

@@ -390,10 +390,8 @@ def _quiet_store(connector: Any, store: Any) -> None:
     (it allocates the tier in the background at start) and the reserve refilled."""
     connector.wait_for_dumps(600)
     memory = getattr(store, "memory", None)
-    warmer = getattr(memory, "_warmer", None)
-    if warmer is not None:
-        warmer.join(300)
     if memory is not None:
+        memory.wait_warm(300)
         memory.cleaner.wait_idle(120)
 
 

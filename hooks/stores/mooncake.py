@@ -319,12 +319,21 @@ class MooncakeStore(KVStore):
             self._release(buf)
 
     @contextmanager
-    def _oversize(self, size: int) -> Iterator[_Buffer]:
+    def registered_buffer(self, size: int) -> Iterator[_Buffer]:
+        """A one-off buffer of ``size`` bytes registered with the client (``.view``,
+        ``.addr``), released or quarantined on exit: a value larger than a staging buffer,
+        and benchmarks that call :attr:`client`'s batch calls on it."""
         buf = self._new_buffer(size, False)
         try:
             yield buf
         finally:
             self._release(buf)
+
+    @property
+    def client(self) -> Any:
+        """The ``MooncakeDistributedStore`` under this store, for benchmarks of Mooncake's
+        own batch calls (the transport's ceiling, without framing or staging)."""
+        return self._client
 
     def _call(self, buf: _Buffer, safe: frozenset[int], fn: Any, *args: Any) -> list[int]:
         """Run a batch call on ``buf``; mark the buffer unsafe on unconfirmed results."""
@@ -454,7 +463,7 @@ class MooncakeStore(KVStore):
             while p < len(idx):
                 size = HEADER_SIZE + len(unique[idx[p]][2])
                 if size > buf.size:
-                    with self._oversize(size) as big:
+                    with self.registered_buffer(size) as big:
                         codes[idx[p]] = self._put_chunk(big, [unique[idx[p]]])[0]
                     p += 1
                     continue
@@ -602,7 +611,7 @@ class MooncakeStore(KVStore):
             raise StoreError(f"mooncake store: get_size of {key!r}: {code_name(size)}")
         self._slot = max(self._slot, size)
         if size > buf.size:
-            with self._oversize(size) as big:
+            with self.registered_buffer(size) as big:
                 payload = self._read_one(big, key, kb, size)
                 if payload is not None:
                     take(i, payload)

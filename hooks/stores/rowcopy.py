@@ -199,6 +199,14 @@ def available() -> bool:
     return _get() is not None
 
 
+def disable() -> None:
+    """Copy value by value from now on in this process, as on a host with no C compiler
+    (benchmarks that compare the two paths)."""
+    global _helper, _tried
+    with _lock:
+        _helper, _tried = None, True
+
+
 #: One value of :func:`copy_verify_many`: (dst, src or None, seed, want); the seed an
 #: int, or the bytes whose XXH3-64 is the seed (hashed in the same call).
 Item = tuple[memoryview, memoryview | None, int | bytes, int]
@@ -390,6 +398,7 @@ __all__ = [
     "ScatterItem",
     "available",
     "copy_verify_many",
+    "disable",
     "frame_many",
     "scatter_verify_many",
     "wait_flag",

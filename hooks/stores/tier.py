@@ -1038,6 +1038,15 @@ class Tier:
         """The tier directory's descriptor (open until :meth:`close`)."""
         return self._dir
 
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s for the warmer to map every segment (benchmarks that
+        time a warm tier); True when no warmer is left running."""
+        warmer = self._warmer
+        if warmer is None:
+            return True
+        warmer.join(timeout)
+        return not warmer.is_alive()
+
     def stop_warming(self) -> None:
         """Stop the warmer (at most one segment's allocation away) and wait for it."""
         warmer = self._warmer

@@ -42,6 +42,11 @@ from ucm_patch.connector.layout import KVLayout
 from ucm_patch.connector.meta import UCMConnectorMetadata
 from ucm_patch.hooks.stores import ValueSizeError, make_store
 from ucm_patch.hooks.stores.base import KVStore
+from ucm_patch.typing_guard import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ucm_patch.connector.scheduler_side import SchedulerSide
+    from ucm_patch.connector.worker_side import WorkerSide
 
 try:  # vLLM >= 0.12
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -231,6 +236,18 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
         if side is None:
             raise RuntimeError(f"UCMPatchConnector.{what} called on the {self.role.name} role")
         return side
+
+    @property
+    def worker_side(self) -> WorkerSide | None:
+        """The worker-side half (None in the scheduler role), for benchmarks and
+        diagnostics that read or drive it directly."""
+        return self._worker_side
+
+    @property
+    def scheduler_side(self) -> SchedulerSide | None:
+        """The scheduler-side half (None in the worker role), for benchmarks and
+        diagnostics that read or drive it directly."""
+        return self._sched_side
 
     # ==================================================================================
     # Worker side

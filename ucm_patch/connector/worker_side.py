@@ -640,6 +640,17 @@ class WorkerSide:
             "staging_lent": self.staging.lent,
         }
 
+    @property
+    def open_batch(self) -> Batch | None:
+        """This step's dump batch (None between steps), for benchmarks that submit to the
+        dump scheduler directly."""
+        return self._batch
+
+    def row_plan(self, row: int) -> _RowPlan | None:
+        """Storage row ``row``'s dump this step, (keys, page producer) or None, for
+        benchmarks that submit it to the dump scheduler directly."""
+        return self._row_plans[row]
+
     def shutdown(self) -> bool:
         """Stop the load threads and flush and close this connector's dump client, all
         within the scheduler's ``exit_flush_s`` (``dump_exit_flush_s``).
