@@ -57,7 +57,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ucm_patch.connector.layout import CHUNK_TOKENS
+from ucm_patch.connector.config import CHUNK_TOKENS
 from ucm_patch.hooks.stores import framing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

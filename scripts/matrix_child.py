@@ -196,7 +196,8 @@ def _hit_unit(llm: Any) -> int:
     """Tokens of one hit unit: whole chunks of vLLM's block size, as the connector's
     ``KVLayout`` derives them with its default ``chunk_tokens`` (the engine core may be
     another process here, so it is derived, not read)."""
-    from ucm_patch.connector.layout import CHUNK_TOKENS, attention_chunk_blocks
+    from ucm_patch.connector.config import CHUNK_TOKENS
+    from ucm_patch.connector.layout import attention_chunk_blocks
 
     block = llm.llm_engine.vllm_config.cache_config.block_size
     return attention_chunk_blocks(block, CHUNK_TOKENS) * block

@@ -28,7 +28,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ucm_patch.connector.layout import CHUNK_TOKENS, attention_chunk_blocks
+from ucm_patch.connector.config import CHUNK_TOKENS
+from ucm_patch.connector.layout import attention_chunk_blocks
 
 REPO = Path(__file__).resolve().parent.parent
 SERVED_NAME = "tiny"

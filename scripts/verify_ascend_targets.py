@@ -19,7 +19,7 @@ is :mod:`tools.verify.ascend`, this is its command line. Sources:
 
 For each version every record whose ``requires`` range contains it (the version gated the
 way ``ucm_patch.versions`` gates: rc / post releases as their base release) must satisfy the
-checks in its ``expect`` (``ucm_patch.expect``). On top, completeness
+checks in its ``expect`` (``ucm_patch.source_checks``). On top, completeness
 checks scan the whole tree: every by-name binding of the wait/save hooks has a record, every
 GDN core that can run (and every copy vLLM-Ascend makes of one) is wrapped, every function
 that marks a KV write is covered or listed in ``NOT_COVERED`` with the reason.

@@ -45,8 +45,8 @@ from tests.test_connector_gpu_layouts import NHD, GpuHarness
 from tests.test_page_views import HND, fill
 from ucm_patch import connector
 from ucm_patch.connector import UCMPatchConnector
-from ucm_patch.connector.config import ConnectorConfigError, parse_connector_config
-from ucm_patch.connector.layout import CHUNK_TOKENS, KVLayout
+from ucm_patch.connector.config import CHUNK_TOKENS, ConnectorConfigError, parse_connector_config
+from ucm_patch.connector.layout import KVLayout
 
 CHUNK = {"chunk_tokens": 2 * BS}  # two blocks per value
 TOKENS = list(range(300, 317))  # 17 tokens: 4 full blocks of 4 + 1
@@ -189,21 +189,25 @@ def test_default_chunk_makes_1_mib_values_of_qwen3_8b_gpu_pages() -> None:
     # Qwen3-8B: 8 KV heads of 128, bf16; vLLM's CUDA block is 16 tokens
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     assert parse_connector_config({}).chunk_tokens == CHUNK_TOKENS
-    layout = KVLayout.from_vllm(vllm_config(block_size=16), attention_config(spec))
+    layout = KVLayout.from_vllm(
+        vllm_config(block_size=16), attention_config(spec), None, CHUNK_TOKENS
+    )
     assert layout.chunk_blocks[0] * 16 == CHUNK_TOKENS == layout.unit
     assert layout.chunk_blocks[0] * spec.page_size_bytes == 1 << 20
 
 
 def test_blocks_larger_than_the_chunk_are_one_block_each() -> None:
     spec = FullAttentionSpec(block_size=640, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    layout = KVLayout.from_vllm(vllm_config(block_size=640), attention_config(spec))
+    layout = KVLayout.from_vllm(
+        vllm_config(block_size=640), attention_config(spec), None, CHUNK_TOKENS
+    )
     assert layout.chunk_blocks == {0: 1} and layout.unit == 640
 
 
 def test_another_chunk_is_another_fingerprint() -> None:
     kvcc = kv_cache_config()
-    one = KVLayout.from_vllm(vllm_config(), kvcc, chunk_tokens=BS)
-    two = KVLayout.from_vllm(vllm_config(), kvcc, chunk_tokens=2 * BS)
+    one = KVLayout.from_vllm(vllm_config(), kvcc, None, chunk_tokens=BS)
+    two = KVLayout.from_vllm(vllm_config(), kvcc, None, chunk_tokens=2 * BS)
     assert one.fingerprint != two.fingerprint
     assert one.key("ab", 0, 0, 0) != two.key("ab", 0, 0, 0)
 

@@ -30,6 +30,7 @@ from tests.support.connector_harness import kv_cache_config, vllm_config
 from tests.support.fakes_store import FakeStore
 from ucm_patch.connector import UCMPatchConnector, register_with_vllm
 from ucm_patch.connector.config import (
+    CHUNK_TOKENS,
     ConnectorConfigError,
     copy_threads,
     parse_connector_config,
@@ -138,7 +139,7 @@ def test_pipeline_parallel_is_refused_clearly(store: FakeStore) -> None:
 # -- layout and keys ----------------------------------------------------------------------
 def layout(model: str = "tiny", extra: dict[str, Any] | None = None, tp: int = 1) -> KVLayout:
     cfg = vllm_config(extra, model=model, tp=tp)
-    return KVLayout.from_vllm(cfg, kv_cache_config(), (extra or {}).get("namespace"))
+    return KVLayout.from_vllm(cfg, kv_cache_config(), (extra or {}).get("namespace"), CHUNK_TOKENS)
 
 
 def test_keys_depend_on_model_layout_and_rank() -> None:
@@ -192,7 +193,7 @@ def hybrid_config(mode: str = "align") -> tuple[KVCacheConfig, int]:
 
 def test_hybrid_layout_one_row_two_group_kinds_async_loads() -> None:
     kvcc, page = hybrid_config()
-    lay = KVLayout.from_vllm(vllm_config(block_size=8), kvcc, chunk_tokens=8)
+    lay = KVLayout.from_vllm(vllm_config(block_size=8), kvcc, None, chunk_tokens=8)
     assert len(lay.rows) == 1  # both layers' pages alias: one storage row
     assert lay.rows.rows[0].save_layer == "model.layers.1.self_attn.attn"
     assert [g.kind for g in lay.groups] == ["mamba", "attention"]

@@ -156,7 +156,7 @@ def test_each_mamba_group_dumps_its_state_at_a_shared_boundary(store: Store) -> 
         for g in range(4)
     ]
     rows = RowMap([[n[i] for n in names] for i in range(2)])
-    layout = KVLayout(groups, rows, 8, 1, {"model": "m"})
+    layout = KVLayout(groups, rows, 8, 1, {"model": "m"}, chunk_tokens=1)
     side = SchedulerSide(layout, parse_connector_config({}), store, can_load=True, can_dump=True)
     req = Req("r", TOKENS, block_size=8)
     tables = {"r": ([0, 3], [0, 4], [0, 5], [6, 7])}
@@ -191,7 +191,7 @@ def test_without_state_offers_a_state_is_found_by_position_and_its_hash(store: S
     names = [["g.l0", "g.l1"], ["a.l0", "a.l1"]]
     groups = [GroupInfo(0, MAMBA, 8, 64, tuple(names[0]), "Spec"),
               GroupInfo(1, ATTENTION, 8, 64, tuple(names[1]), "Spec")]  # fmt: skip
-    layout = KVLayout(groups, RowMap([[n[i] for n in names] for i in range(2)]), 8, 1, {})
+    layout = KVLayout(groups, RowMap([[n[i] for n in names] for i in range(2)]), 8, 1, {}, 1)
     side = SchedulerSide(layout, parse_connector_config({}), store, can_load=True, can_dump=True)
     pool = BlockPool(32, enable_caching=True, hash_block_size=8)
     side.bind_gpu_block_pool(pool)

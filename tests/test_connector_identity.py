@@ -22,6 +22,7 @@ import pytest
 
 from tests.support import REPO, repo_pythonpath
 from tests.support.connector_harness import kv_cache_config, vllm_config
+from ucm_patch.connector.config import CHUNK_TOKENS
 from ucm_patch.connector.identity import SAMPLE_BYTES, model_identity, weight_identity
 from ucm_patch.connector.layout import KVLayout
 
@@ -57,7 +58,7 @@ def config(model: str, **changes: Any) -> SimpleNamespace:
 
 
 def fingerprint(cfg: SimpleNamespace, namespace: str | None = None) -> str:
-    return KVLayout.from_vllm(cfg, kv_cache_config(), namespace).fingerprint
+    return KVLayout.from_vllm(cfg, kv_cache_config(), namespace, CHUNK_TOKENS).fingerprint
 
 
 def test_weights_rewritten_in_place_change_the_fingerprint(tmp_path: Path) -> None:

@@ -38,7 +38,8 @@ from ucm_patch.connector import UCMPatchConnector
 from ucm_patch.connector.config import ConnectorConfigError, parse_connector_config
 from ucm_patch.connector.load_threads import LoadThreads
 from ucm_patch.hooks.dump import DumpScheduler
-from ucm_patch.hooks.dump.scheduler import EXIT_FLUSH_VAR, EXIT_JOIN_S, exit_flush_seconds
+from ucm_patch.hooks.dump.lifecycle import EXIT_FLUSH_VAR, exit_flush_seconds
+from ucm_patch.hooks.dump.process_scheduler import EXIT_JOIN_S
 
 BOUND_S = 0.5  # the flush / shutdown bound the tests set
 # What a bounded wait may overrun by: thread joins, interpreter teardown, two busy cores.
@@ -168,9 +169,10 @@ def test_exit_flush_stores_what_a_slow_store_finishes_in_time(tmp_path: Path) ->
 
 
 def test_stores_close_at_exit_only_after_the_dump_flush(tmp_path: Path) -> None:
-    """The connector's exit handler closes its stores; it runs the dump scheduler's exit
-    flush first, whichever handler ``atexit`` would have run first."""
+    """The connector's exit step closes its stores; the exit sequence runs the dump
+    scheduler's exit flush first, though the close step was registered first here."""
     from ucm_patch.connector import kv_connector
+    from ucm_patch.hooks import exit_sequence
     from ucm_patch.hooks.dump import get_scheduler, reset_scheduler
 
     reset_scheduler()
@@ -179,9 +181,10 @@ def test_stores_close_at_exit_only_after_the_dump_flush(tmp_path: Path) -> None:
     keys: list[str] = []
     store.close = lambda: seen_at_close.append(store.get_many(keys))  # type: ignore[method-assign]
     kv_connector._stores["exit-test"] = store
+    exit_sequence.close_at_exit(kv_connector._close_stores)  # as shared_store does
     try:
         keys += _submit(get_scheduler(workers=1), store, "req-exit", 6)
-        kv_connector._close_stores()
+        exit_sequence.run()
     finally:
         kv_connector._stores.clear()
         reset_scheduler()

@@ -15,7 +15,7 @@ from ucm_patch.connector import config as connector_config
 from ucm_patch.connector import kv_connector
 from ucm_patch.errors import ConfigError
 from ucm_patch.hooks import stores
-from ucm_patch.hooks.dump.scheduler import exit_flush_seconds
+from ucm_patch.hooks.dump.lifecycle import exit_flush_seconds
 from ucm_patch.hooks.settings import SettingError
 from ucm_patch.hooks.stores.framing import load_store_key
 

@@ -100,7 +100,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture, logger: str, text: str) -> lis
 
 
 def test_the_connectors_largest_value_is_its_chunk_of_pages() -> None:
-    layout = KVLayout.from_vllm(vllm_config(block_size=16), qwen3_8b_cache(), chunk_tokens=256)
+    layout = KVLayout.from_vllm(vllm_config(block_size=16), qwen3_8b_cache(), None, 256)
     assert layout.max_value_bytes == VALUE == 16 * QWEN3_8B.page_size_bytes
 
 

@@ -139,7 +139,7 @@ VARIABLES: dict[str, Variable] = {
             DUMP_EXIT_FLUSH_S,
             _seconds,
             None,
-            "ucm_patch.hooks.dump.scheduler",
+            "ucm_patch.hooks.dump.lifecycle",
             "seconds the exit flush waits for dumps in flight",
         ),
         Variable(

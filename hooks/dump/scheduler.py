@@ -18,31 +18,27 @@ and a client calls the scheduler only with its lock released. Workers never wait
 holds it next. ``_done_cv`` (taken before ``_lock``, never after) wakes threads waiting
 for dumps; ``_wake`` parks idle workers. Lock order: ``_done_cv``, ``_lock``, a client's.
 
-Exit: dumps still in flight when the process exits get a bounded flush
-(:data:`EXIT_FLUSH_VAR`, default :data:`DEFAULT_EXIT_FLUSH_S` seconds, or the connector's
-``dump_exit_flush_s``) so a clean shutdown does not throw away the last steps' KV, and a
-hung store cannot hold the exit for longer than that; whatever is left is counted in
-``lost_dumps`` and logged once with the requests it belonged to.
+The class is in three parts, one job each: this module's queueing and completion, the
+worker threads (:mod:`.workers`) and the lifecycle, flush and shutdown with the exit
+flush's bound (:mod:`.lifecycle`). The process's one scheduler is
+:mod:`.process_scheduler`'s.
 """
 
 from __future__ import annotations
 
-import atexit
-import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from time import monotonic, sleep
+from time import monotonic
 from typing import Any
 
-from ucm_patch import environment
 from ucm_patch.hooks.device import Device
 from ucm_patch.hooks.device_choice import make_device
+from ucm_patch.hooks.dump import keys as dump_keys
 from ucm_patch.hooks.dump.client import DumpClient
+from ucm_patch.hooks.dump.lifecycle import SchedulerLifecycle, exit_flush_seconds, scheduler_log
 from ucm_patch.hooks.dump.types import (
     CANCELLED,
-    FAILED,
     NO_EVENT,
     OK,
     STORE_FULL,
@@ -51,50 +47,15 @@ from ucm_patch.hooks.dump.types import (
     DumpTask,
     Payload,
 )
+from ucm_patch.hooks.dump.workers import FAILURE_LOG_INTERVAL_S, SchedulerWorkers
 from ucm_patch.hooks.events import EventLedger, EventSource
-from ucm_patch.hooks.metrics import DURATION_SAMPLES_MAX, METRICS, DumpMetrics
+from ucm_patch.hooks.metrics import DURATION_SAMPLES_MAX, DumpMetrics
 from ucm_patch.hooks.ratelimit import RateLimitedLog
-from ucm_patch.hooks.stores.base import StoreError
 
-logger = logging.getLogger(__name__)
-
-#: Environment setting: seconds the exit flush waits for dumps in flight (declared, read and
-#: parsed by :mod:`ucm_patch.environment`).
-EXIT_FLUSH_VAR = environment.DUMP_EXIT_FLUSH_S
-DEFAULT_EXIT_FLUSH_S = 10.0
-#: A failing store fails every row of every step: one warning per cause per this interval.
-FAILURE_LOG_INTERVAL_S = 60.0
-#: Most request ids named in the "lost at shutdown" line (the count is always exact).
-LOST_IDS_SHOWN = 32
-
-
-def exit_flush_seconds(env: dict[str, str] | None = None) -> float:
-    """The exit flush bound from :data:`EXIT_FLUSH_VAR` (unset or empty: the default).
-
-    Asked when a scheduler is created, so a bad value fails at start, naming the variable
-    (a :class:`~ucm_patch.errors.ConfigError`, a ``ValueError``). ``env``: a mapping to read
-    instead of this process's environment (tests)."""
-    seconds = environment.read(env).dump_exit_flush_s
-    return DEFAULT_EXIT_FLUSH_S if seconds is None else seconds
-
-
-#: Most dumps one worker takes at once (:meth:`DumpScheduler._work`): its share of those
-#: queued, at most this many.
-GROUP_MAX = 64
-
-
-def _give_back(data: Any) -> None:
-    """Give a payload in a lent buffer (the connector's staging buffers) back."""
-    release = getattr(data, "release", None)
-    if release is not None:
-        release()
-
-
-_SYNC = int(EventSource.DEVICE_SYNC)
 _EXTERNAL = int(EventSource.EXTERNAL)
 
 
-class DumpScheduler:
+class DumpScheduler(SchedulerWorkers, SchedulerLifecycle):
     """Asynchronous, bounded dump execution; per-request completion lives in the clients.
 
     Connectors: :meth:`client` (one each), ``submit_layer`` / ``submit`` / ``seal`` (also
@@ -104,7 +65,9 @@ class DumpScheduler:
 
     Options: ``device`` (default: the platform's, :func:`make_device`); ``workers`` dump
     threads; ``capacity`` task slots = most dumps in flight; ``on_full`` / ``full_wait_s``
-    the back-pressure policy; ``blocking_finish`` a ``get_finished`` that waits for dumps;
+    the back-pressure policy; ``blocking_finish`` a ``get_finished`` that waits for dumps
+    (these five are the connector's ``dump_*`` keys: defaults and checks from
+    :data:`~.keys.DUMP_KEYS`, ``workers`` by default :func:`~.keys.copy_threads`);
     ``expect_kv_ready`` count "expected but missing" KV-ready events; ``need_handle`` only
     accept events with a raw handle (C++ stores); ``metrics`` the counters object;
     ``linger_s`` / ``poll_s`` how long an idle worker polls before it sleeps (polling
@@ -115,11 +78,11 @@ class DumpScheduler:
         self,
         device: Device | None = None,
         *,
-        workers: int = 2,
-        capacity: int = 1024,
-        on_full: str = "skip",
-        full_wait_s: float = 0.002,
-        blocking_finish: bool = False,
+        workers: int | None = None,
+        capacity: int = dump_keys.default("dump_queue_capacity"),
+        on_full: str = dump_keys.default("dump_on_full"),
+        full_wait_s: float = dump_keys.default("dump_full_wait_s"),
+        blocking_finish: bool = dump_keys.default("blocking_finish"),
         expect_kv_ready: bool = False,
         need_handle: bool = False,
         metrics: DumpMetrics | None = None,
@@ -127,14 +90,14 @@ class DumpScheduler:
         linger_s: float = 0.002,
         poll_s: float = 0.0002,
     ) -> None:
-        if workers < 1:
-            raise ValueError(f"DumpScheduler workers must be >= 1, got workers={workers!r}")
-        if capacity < 1:
-            raise ValueError(f"DumpScheduler capacity must be >= 1, got capacity={capacity!r}")
-        if on_full not in ("skip", "wait"):
-            raise ValueError(f"DumpScheduler on_full={on_full!r}; expected 'skip' or 'wait'")
-        if full_wait_s < 0:
-            raise ValueError(f"DumpScheduler full_wait_s must be >= 0, got {full_wait_s!r}")
+        # the checks of the connector's keys (dump_keys.DUMP_KEYS), one for each
+        if workers is None:
+            workers = dump_keys.copy_threads()
+        workers = dump_keys.checked("workers", workers)
+        capacity = dump_keys.checked("capacity", capacity)
+        on_full = dump_keys.checked("on_full", on_full)
+        full_wait_s = dump_keys.checked("full_wait_s", full_wait_s)
+        blocking_finish = dump_keys.checked("blocking_finish", blocking_finish)
         if linger_s < 0 or poll_s <= 0:
             raise ValueError(
                 f"DumpScheduler needs linger_s >= 0 and poll_s > 0, got linger_s={linger_s!r}, "
@@ -181,7 +144,7 @@ class DumpScheduler:
         self._exit_flush_set = False
         #: Dumps cancelled or still running when :meth:`shutdown` gave up on them.
         self.lost_dumps = 0
-        self._failure_log = RateLimitedLog(logger, FAILURE_LOG_INTERVAL_S)
+        self._failure_log = RateLimitedLog(scheduler_log, FAILURE_LOG_INTERVAL_S)
         # Task hand-off: a deque (append/popleft are atomic, no syscall) plus a Condition
         # that only sleeping workers wait on. Waking a blocked thread costs a futex
         # syscall (more than the whole submit path), so submit wakes a worker only when
@@ -510,300 +473,6 @@ class DumpScheduler:
         sizes["live_borrowed_handles"] = borrowed
         return sizes
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def set_exit_flush(self, seconds: float) -> None:
-        """A connector's ``dump_exit_flush_s``: overrides :data:`EXIT_FLUSH_VAR`; when
-        several connectors of the process set it, the longest wins (none is cut short)."""
-        with self._lock:
-            if self._exit_flush_set:
-                seconds = max(seconds, self.exit_flush_s)
-            self.exit_flush_s = float(seconds)
-            self._exit_flush_set = True
-
-    def flush(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds until no dump is queued or running."""
-        capacity = self.capacity
-        return self.wait_until(lambda: len(self._free) == capacity, timeout)
-
-    # =================================================================================
-    # Shutdown
-    # =================================================================================
-    def shutdown(self, timeout: float = 5.0, flush_s: float = 0.0) -> bool:
-        """Stop: wait up to ``flush_s`` for dumps in flight, then cancel queued dumps
-        (counted, events released) and give running ones ``timeout`` to finish.
-
-        Dumps cancelled or still running at the end are lost: counted in ``lost_dumps``
-        and logged once, with how many and whose. Open batches are sealed so their
-        requests can still be reported by ``get_finished``. Returns False when a worker
-        did not stop within ``timeout`` (it is a daemon thread; its running task still
-        releases its event when it ends).
-        """
-        with self._lock:
-            if self._closed:
-                return not any(thread.is_alive() for thread in self._threads)
-        flushed = flush_s <= 0 or self.flush(flush_s)
-        with self._lock:
-            self._closed = True
-        with self._wake:
-            self._wake.notify_all()
-        with self._done_cv:
-            self._done_cv.notify_all()
-        cancelled: list[DumpTask] = []
-        while True:
-            try:
-                task = self._dq.popleft()
-            except IndexError:
-                break
-            task.status = CANCELLED
-            cancelled.append(task)
-        lost_ids = {rid for task in cancelled if task.batch for rid in task.batch.req_ids}
-        self._done.extend(cancelled)
-        deadline = monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - monotonic()))
-        with self._lock:
-            self._retire_locked()
-            running = [task for task in self._tasks if task.batch is not None]
-            lost_ids.update(rid for task in running for rid in task.batch.req_ids)
-            lost = len(cancelled) + len(running)
-            self.lost_dumps += lost
-            self.metrics.dumps_lost += lost  # exported with the other dump metrics
-            for client in self._clients:
-                for batch in client.open_batches():  # its lock is a leaf: safe under ours
-                    self._seal_locked(batch)
-            self.device.close()  # under the ledger's lock: pool appends happen under it
-        if lost:
-            self._report_lost(lost, len(running), lost_ids, flush_s if not flushed else 0.0)
-        return not any(thread.is_alive() for thread in self._threads)
-
-    def _report_lost(self, lost: int, running: int, req_ids: set[str], waited: float) -> None:
-        shown = sorted(req_ids)[:LOST_IDS_SHOWN]
-        more = f" and {len(req_ids) - len(shown)} more" if len(req_ids) > len(shown) else ""
-        logger.warning(
-            "dump scheduler shut down with %d dump(s) lost (%d still running, %d cancelled)%s;"
-            " their blocks are not stored, for request(s) %s%s",
-            lost,
-            running,
-            lost - running,
-            f" after a {waited:g} s flush" if waited else "",
-            shown,
-            more,
-        )
-
-    # =================================================================================
-    # Workers
-    # =================================================================================
-    def _work(self) -> None:
-        popleft = self._dq.popleft
-        dq = self._dq
-        workers = self.config["workers"]
-        while True:
-            try:
-                task = popleft()
-            except IndexError:
-                if self._idle():
-                    return
-                continue
-            # The rows queued meanwhile, this worker's share of them, go with it: one put
-            # for all (:meth:`_run_group`). A worker that waited for the GIL (beside
-            # vLLM's forward, up to the switch interval per take) catches up with one
-            # round of store calls instead of one per row.
-            group = [task]
-            more = min(GROUP_MAX, -(-(len(dq) + 1) // workers)) - 1
-            while more > 0:
-                try:
-                    group.append(popleft())
-                except IndexError:
-                    break
-                more -= 1
-            self._run_group(group)
-
-    def _run_group(self, group: list[DumpTask]) -> None:
-        """Wait for each task's event and produce its bytes, then put the values of every
-        task with the same store in one ``put_many`` (one native copy and one index
-        transaction per segment, however many rows). Every task is handed back, whatever
-        happens: a task's own failure (its event, its payload) fails it alone, a store's
-        fails the tasks of that put."""
-        started = monotonic()  # worker thread: off the forward path
-        left = list(group)
-        try:
-            ready: list[tuple[DumpTask, Sequence[str], Sequence[Any]]] = []
-            for task in group:
-                try:
-                    keys, data = self._prepare(task)
-                except Exception as exc:
-                    left.remove(task)
-                    self._finish(task, self._failed(task, exc), started)
-                    continue
-                ready.append((task, keys, data))
-            i = 0
-            while i < len(ready):
-                store = ready[i][0].batch.store
-                j = i + 1
-                while j < len(ready) and ready[j][0].batch.store is store:
-                    j += 1
-                part = ready[i:j]
-                statuses = self._put_part(part, store)
-                for (task, _keys, _data), status in zip(part, statuses, strict=True):
-                    left.remove(task)
-                    self._finish(task, status, started)
-                i = j
-        finally:
-            for task in left:  # BaseException: handed back all the same (FAILED)
-                self._finish(task, FAILED, started)
-
-    def _finish(self, task: DumpTask, status: int, started: float) -> None:
-        """Hand ``task`` back: retired under _lock here when the lock is free (never
-        waiting for it), else by whoever takes it next."""
-        task.duration = monotonic() - started
-        task.status = status
-        self._done.append(task)
-        lock = self._lock
-        if lock.acquire(False):
-            try:
-                self._retire_locked()
-            finally:
-                lock.release()
-        if self._waiters:
-            self._notify_done()
-
-    def _failed(self, task: DumpTask, exc: Exception) -> int:
-        """The status of ``task`` failed by ``exc``, logged (once per cause a minute)."""
-        if isinstance(exc, StoreError):
-            # A full disk fails every row of every step: one line per cause a minute.
-            why = "dump of row %d failed in the store: %s"
-            cause = (type(exc), getattr(exc, "errno", None))
-            self._failure_log.warning(cause, why, task.row, exc)
-            return FAILED
-        if isinstance(exc, (RuntimeError, ValueError, TypeError)):
-            # RuntimeError: device/event error (torch raises RuntimeError subclasses);
-            # ValueError/TypeError: the payload did not match the keys.
-            why = "dump of row %d failed: %s: %s"
-            self._failure_log.warning(type(exc), why, task.row, type(exc).__name__, exc)
-            return FAILED
-        # Thread boundary: a bug in a payload callable or a store must neither kill the
-        # worker (requests would never finish; blocks would leak) nor vanish. Recorded as
-        # worker_errors + a failed dump + last_errors, and logged.
-        task.error = repr(exc)
-        logger.error("unexpected error in dump worker (row %d)", task.row, exc_info=exc)
-        return UNEXPECTED
-
-    def _notify_done(self) -> None:
-        with self._done_cv:
-            self._done_cv.notify_all()
-
-    def _idle(self) -> bool:
-        """The deque is empty: linger (poll) a little, then sleep. True: shut down."""
-        dq = self._dq
-        if self.linger_s > 0:
-            deadline = monotonic() + self.linger_s
-            while not dq and not self._closed and monotonic() < deadline:
-                sleep(self.poll_s)  # releases the GIL
-            if dq:
-                return False
-        wake = self._wake
-        with wake:
-            # Announce sleeping *before* the final emptiness check: a submit that
-            # appended just before sees _sleepers > 0 and notifies.
-            self._sleepers += 1
-            try:
-                while not dq and not self._closed:
-                    wake.wait()
-                    self._wake_pending = False  # consumed; the next submit may wake again
-            finally:
-                self._sleepers -= 1
-            if len(dq) > 1 and self._sleepers:
-                # More queued than this worker takes at once: wake a sibling too.
-                self._wake_pending = True
-                wake.notify()
-        return self._closed and not dq
-
-    def _prepare(self, task: DumpTask) -> tuple[Sequence[str], Sequence[Any]]:
-        """Wait for the task's event and produce its bytes: (keys, values)."""
-        event = task.event
-        waited = monotonic()
-        if event is not None:
-            event.synchronize()
-        elif task.source == _SYNC:
-            self.device.synchronize()
-        produced = monotonic()
-        task.event_wait = produced - waited
-        data = task.data
-        if callable(data):
-            self._busy(1)
-            try:
-                data = data(task)
-            finally:
-                self._busy(-1)
-            task.produce = monotonic() - produced  # the device copy, for the connector
-        keys = task.keys
-        if keys is None:
-            keys, data = data
-        if len(keys) != len(data):
-            _give_back(data)
-            raise ValueError(
-                f"dump payload for row {task.row} has {len(data)} values for {len(keys)} keys"
-            )
-        return keys, data
-
-    def _put_part(
-        self, part: list[tuple[DumpTask, Sequence[str], Sequence[Any]]], store: Any
-    ) -> list[int]:
-        """Put every value of ``part`` (tasks of one store): each task's status. A payload
-        in a lent buffer (the connector's staging buffers) is given back once the store
-        has copied it, stored or not."""
-        try:
-            return self._put_values(part, store)
-        finally:
-            for _task, _keys, data in part:
-                _give_back(data)
-
-    def _put_values(
-        self, part: list[tuple[DumpTask, Sequence[str], Sequence[Any]]], store: Any
-    ) -> list[int]:
-        """One ``put_many`` of every value of ``part``. When it raises, each task is put
-        again alone: the error may be one task's values' (a key the store refuses), and
-        the others are then stored and only that dump fails, as with a put per task."""
-        items: list[tuple[str, Any]] = []
-        for _task, keys, data in part:
-            items.extend(zip(keys, data, strict=True))
-        self._busy(1)
-        try:
-            flags = store.put_many(items)
-        except Exception as exc:
-            if len(part) > 1:
-                flags = None
-            else:
-                return [self._failed(part[0][0], exc)]
-        finally:
-            self._busy(-1)
-        if flags is None:
-            return [self._put_values([one], store)[0] for one in part]
-        statuses, at = [], 0
-        for task, keys, data in part:
-            nbytes = 0
-            for value in data:
-                nbytes += value.nbytes if type(value) is memoryview else len(value)
-            task.nbytes = nbytes
-            stop = at + len(keys)
-            statuses.append(OK if all(flags[at:stop]) else STORE_FULL)
-            at = stop
-        return statuses
-
-    def _busy(self, change: int) -> None:
-        """One worker more (1) or less (-1) at work: the wall time with any at work is
-        summed into ``metrics.dump_busy_s``."""
-        with self._busy_lock:
-            now = monotonic()
-            if self._busy_workers == 0:
-                self._busy_since = now
-            self._busy_workers += change
-            if self._busy_workers == 0:
-                self.metrics.dump_busy_s += now - self._busy_since
-
     def _retire_locked(self) -> None:
         """Retire every finished task (caller holds _lock): the completion bookkeeping.
 
@@ -896,77 +565,3 @@ class DumpScheduler:
         batch.done = True
         self._batches_live -= 1
         batch.client.batch_done(batch)
-
-
-# =====================================================================================
-# Per-worker singleton
-# =====================================================================================
-_instance: DumpScheduler | None = None
-_instance_pid = 0
-_singleton_lock = threading.Lock()
-_atexit_registered = False
-
-
-def get_scheduler(**config: Any) -> DumpScheduler:
-    """This process's DumpScheduler, created on first use with ``config``.
-
-    Every connector instance in the process gets the same object (and should take its own
-    :meth:`DumpScheduler.client`). A later call may repeat the config; a *different* value
-    for a key raises ValueError naming the key (two connectors asking for incompatible
-    schedulers is a configuration error). After a fork the child gets a fresh scheduler
-    (threads do not survive fork). Without ``device`` the platform's device is used;
-    metrics default to the process-wide ``METRICS`` (the one :func:`metrics.export` shows).
-    """
-    global _instance, _instance_pid, _atexit_registered
-    with _singleton_lock:
-        inst = _instance
-        if inst is not None and _instance_pid == os.getpid() and not inst.closed:
-            for key, value in config.items():
-                if key not in inst.config:
-                    raise TypeError(f"get_scheduler: unknown option {key!r}")
-                current = inst.config[key]
-                if key in ("device", "metrics"):
-                    differs = value is not None and value is not current
-                else:
-                    differs = value != current
-                if differs:
-                    raise ValueError(
-                        f"get_scheduler: {key}={value!r} differs from the running "
-                        f"scheduler's {key}={current!r}"
-                    )
-            return inst
-        config.setdefault("metrics", METRICS)
-        inst = DumpScheduler(**config)
-        _instance = inst
-        _instance_pid = os.getpid()
-        if not _atexit_registered:
-            atexit.register(shutdown_at_exit)
-            _atexit_registered = True
-        return inst
-
-
-def reset_scheduler(timeout: float = 5.0, flush_s: float = 0.0) -> None:
-    """Shut the singleton down and forget it (tests; exit). ``flush_s``: see
-    :meth:`DumpScheduler.shutdown`."""
-    global _instance
-    with _singleton_lock:
-        inst, _instance = _instance, None
-    if inst is not None and _instance_pid == os.getpid():
-        inst.shutdown(timeout, flush_s)
-
-
-#: After the exit flush the join only lets idle workers go: a dump still running then is
-#: stuck in its store and is counted lost (the workers are daemon threads).
-EXIT_JOIN_S = 0.2
-
-
-def shutdown_at_exit() -> None:
-    """The exit flush, then shutdown (registered with ``atexit``; idempotent).
-
-    A component that closes stores at exit calls it first: ``atexit`` runs handlers in
-    reverse registration order, and a store closed before the flush would fail every dump
-    still in flight."""
-    with _singleton_lock:
-        inst = _instance
-    flush_s = inst.exit_flush_s if inst is not None else 0.0
-    reset_scheduler(timeout=EXIT_JOIN_S, flush_s=flush_s)

@@ -73,6 +73,7 @@ from ucm_patch.hooks.stores.framing import (
     load_store_key,
     verify,
 )
+from ucm_patch.hooks.stores.keys import key_default
 from ucm_patch.hooks.stores.scatter import Scatter, check_targets, set_marks
 from ucm_patch.hooks.stores.segment_files import SegmentLost
 from ucm_patch.hooks.stores.segment_index import Loc
@@ -90,7 +91,7 @@ from ucm_patch.hooks.stores.tier import (
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 10 << 30
-DEFAULT_SEGMENT = 64 << 20
+DEFAULT_SEGMENT = key_default("local_segment_bytes")
 DEFAULT_MEMORY = 2 << 30
 #: Longest the last process of a memory tier spends at close writing the values the tier
 #: would lose to the disk tier, bounded so a stopping server stops; later ones are dropped.
@@ -191,14 +192,14 @@ class LocalStore(KVStore):
         self,
         path: str | os.PathLike[str],
         capacity_bytes: int | None = None,
-        fsync: bool = False,
-        dir_mode: int = 0o700,
-        file_mode: int = 0o600,
+        fsync: bool = key_default("local_fsync"),
+        dir_mode: int = key_default("local_dir_mode"),
+        file_mode: int = key_default("local_file_mode"),
         memory_bytes: int = 0,
         memory_path: str | os.PathLike[str] | None = None,
         segment_bytes: int = DEFAULT_SEGMENT,
         value_bytes: int = 0,
-        memory_keep_bytes: int = 0,
+        memory_keep_bytes: int = key_default("local_memory_keep_bytes"),
     ) -> None:
         """``value_bytes``: the largest value the caller will put (the connector's, from
         its layout; 0: not known). Both tiers get segments that hold one, larger than

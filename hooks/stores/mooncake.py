@@ -68,6 +68,7 @@ from ucm_patch.hooks.stores.framing import (
     make_header,
     verify,
 )
+from ucm_patch.hooks.stores.keys import key_default
 from ucm_patch.hooks.stores.scatter import Scatter, check_targets, scatter_from, set_marks
 
 log = logging.getLogger(__name__)
@@ -149,16 +150,16 @@ class MooncakeStore(KVStore):
         self,
         *,
         master: str,
-        protocol: str = "tcp",
-        metadata_server: str = "P2PHANDSHAKE",
-        local_hostname: str = "127.0.0.1",
-        rdma_devices: str = "",
-        global_segment_bytes: int = 1 << 30,
-        local_buffer_bytes: int = 16 << 20,
-        staging_bytes: int = 64 << 20,
-        staging_buffers: int = 2,
-        quarantine_s: float = 60.0,
-        setup_retries: int | None = None,
+        protocol: str = key_default("mooncake_protocol"),
+        metadata_server: str = key_default("mooncake_metadata_server"),
+        local_hostname: str = key_default("mooncake_local_hostname"),
+        rdma_devices: str = key_default("mooncake_rdma_devices"),
+        global_segment_bytes: int = key_default("mooncake_global_segment_bytes"),
+        local_buffer_bytes: int = key_default("mooncake_local_buffer_bytes"),
+        staging_bytes: int = key_default("mooncake_staging_bytes"),
+        staging_buffers: int = key_default("mooncake_staging_buffers"),
+        quarantine_s: float = key_default("mooncake_quarantine_s"),
+        setup_retries: int | None = key_default("mooncake_setup_retries"),
     ) -> None:
         super().__init__()
         self.stats["quarantined"] = 0

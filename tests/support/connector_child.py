@@ -168,7 +168,8 @@ def hit_unit(run: dict[str, Any]) -> int:
     """Tokens of one hit unit in ``run``: the connector's own layout when the child could
     read it, else derived from the block size vLLM chose, as ``KVLayout`` derives it
     (attention-only models, the default ``chunk_tokens``: worker processes)."""
-    from ucm_patch.connector.layout import CHUNK_TOKENS, attention_chunk_blocks
+    from ucm_patch.connector.config import CHUNK_TOKENS
+    from ucm_patch.connector.layout import attention_chunk_blocks
 
     layout = run.get("layout")
     if layout:

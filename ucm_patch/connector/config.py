@@ -11,22 +11,25 @@ Two kinds of keys share the dict:
 * store keys (``store`` and every ``local_*`` / ``mooncake_*`` key): validated by
   :func:`ucm_patch.hooks.stores.parse_store_config`, which owns them, once: the
   :class:`~ucm_patch.hooks.stores.StoreConfig` it returns is what the store is built from;
-* connector keys (:data:`CONNECTOR_KEYS`): how loads and dumps are run.
+* connector keys (:data:`CONNECTOR_KEYS`): how loads and dumps are run; the dump
+  engine's own (``dump_*``, ``blocking_finish``) come from its table,
+  :data:`ucm_patch.hooks.dump.keys.DUMP_KEYS`, which its scheduler reads too.
 
-Every value check is :mod:`ucm_patch.hooks.settings`'s (one module for both tables).
+Each key has one default and one check, in its table; :class:`ConnectorConfig` has no
+defaults of its own (:func:`parse_connector_config` fills every field). Every value check
+is :mod:`ucm_patch.hooks.settings`'s (one module for every table).
 
 Nothing here imports vLLM or torch: the parser is usable (and tested) without them.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_patch.connector.layout import CHUNK_TOKENS
 from ucm_patch.hooks import settings as v
+from ucm_patch.hooks.dump.keys import DUMP_KEYS, copy_threads
 from ucm_patch.hooks.settings import SettingError
 from ucm_patch.hooks.stores import (
     STORE_KEYS,
@@ -37,7 +40,9 @@ from ucm_patch.hooks.stores import (
 )
 
 LOAD_MODES = ("auto", "layerwise", "async")
-ON_FULL = ("skip", "wait")
+#: Tokens of one attention value by default (``chunk_tokens``): LMCache's chunk size; 16
+#: GPU pages of 64 KiB (16-token blocks) make a 1 MiB value.
+CHUNK_TOKENS = 256
 
 
 class ConnectorConfigError(SettingError):
@@ -77,46 +82,28 @@ CONNECTOR_KEYS: v.Table = {
         "threads reading the store for loads; default: copy_threads() (a quarter of the "
         "CPUs this process may run on, 2 to 8)",
     ),
-    "dump_workers": (
-        v.int_in(1, 32),
-        None,
-        "threads of the dump scheduler; default: copy_threads(), as load_workers",
-    ),
-    "dump_queue_capacity": (v.int_in(1, 1 << 20), 1024, "dumps in flight before back-pressure"),
-    "dump_on_full": (v.one_of(*ON_FULL), "skip", "queue full: skip the dump or wait briefly"),
-    "dump_full_wait_s": (v.seconds, 0.002, "longest wait for a queue slot (dump_on_full=wait)"),
-    "dump_exit_flush_s": (
-        v.seconds,
-        None,
-        "longest wait for dumps in flight at connector shutdown and at process exit (then "
-        "they are counted lost); default: UCM_PATCH_DUMP_EXIT_FLUSH_S, else 10 s",
-    ),
-    "blocking_finish": (
-        v.flag,
-        False,
-        "get_finished waits for a finished request's dumps (UCM #989 behaviour) instead "
-        "of reporting it in a later step",
-    ),
+    **DUMP_KEYS,
 }
 
 
 @dataclass(frozen=True)
 class ConnectorConfig:
     """The validated ``kv_connector_extra_config``: the store's part parsed once into
-    :attr:`store_config` (what ``make_store`` builds from), the connector's keys below."""
+    :attr:`store_config` (what ``make_store`` builds from), the connector's keys below
+    (no defaults here: each key's is in :data:`CONNECTOR_KEYS`)."""
 
     store_config: StoreConfig
-    namespace: str | None = None
-    chunk_tokens: int = CHUNK_TOKENS
-    load_mode: str = "auto"
-    load_prefetch_rows: int = 2
-    load_workers: int = 2
-    dump_workers: int = 2
-    dump_queue_capacity: int = 1024
-    dump_on_full: str = "skip"
-    dump_full_wait_s: float = 0.002
-    dump_exit_flush_s: float | None = None
-    blocking_finish: bool = False
+    namespace: str | None
+    chunk_tokens: int
+    load_mode: str
+    load_prefetch_rows: int
+    load_workers: int
+    dump_workers: int
+    dump_queue_capacity: int
+    dump_on_full: str
+    dump_full_wait_s: float
+    dump_exit_flush_s: float | None
+    blocking_finish: bool
 
     @property
     def store_kind(self) -> str:
@@ -134,20 +121,6 @@ class ConnectorConfig:
             f"store={self.store_kind}({where}) load_mode={self.load_mode} "
             f"prefetch_rows={self.load_prefetch_rows} dump_workers={self.dump_workers}"
         )
-
-
-def copy_threads(cpus: int | None = None) -> int:
-    """The default number of dump threads, and of load threads: a quarter of ``cpus``
-    (default: the CPUs this process may run on), at least 2, at most 8.
-
-    Why it scales: every byte a dump or a load moves is copied and hashed by one of these
-    threads, without the GIL (:mod:`ucm_patch.hooks.stores.memcopy`, XXH3), so a GPU's
-    KV production (several GB/s) needs several of them at once; two threads on a
-    16-core GPU host left the dumps behind the prefill. A quarter leaves the CPUs vLLM
-    itself uses (its engine loop, tokenizers, other ranks) their share."""
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(2, min(8, (cpus or 1) // 4))
 
 
 def accepted_keys() -> list[str]:

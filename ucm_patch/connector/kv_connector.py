@@ -20,7 +20,6 @@ works as a child of vLLM's ``MultiConnector``.
 
 from __future__ import annotations
 
-import atexit
 import inspect
 import json
 import logging
@@ -40,6 +39,7 @@ from ucm_patch.connector import vllm_support
 from ucm_patch.connector.config import ConnectorConfig, parse_connector_config
 from ucm_patch.connector.layout import KVLayout
 from ucm_patch.connector.meta import UCMConnectorMetadata
+from ucm_patch.hooks import exit_sequence
 from ucm_patch.hooks.stores import ValueSizeError, make_store
 from ucm_patch.hooks.stores.base import KVStore
 from ucm_patch.typing_guard import TYPE_CHECKING
@@ -91,8 +91,7 @@ def shared_store(config: ConnectorConfig, value_bytes: int = 0) -> KVStore:
             except ValueSizeError as exc:
                 raise ValueSizeError(f"{exc}{hint}") from None
             _stores[key] = store
-            if len(_stores) == 1:
-                atexit.register(_close_stores)
+            exit_sequence.close_at_exit(_close_stores)  # after the dumps' flush
     limit = store.max_value_bytes()
     if limit is not None and value_bytes > limit:  # opened in this process for smaller ones
         raise ValueSizeError(
@@ -103,11 +102,8 @@ def shared_store(config: ConnectorConfig, value_bytes: int = 0) -> KVStore:
 
 
 def _close_stores() -> None:
-    # Dumps in flight get their bounded exit flush before their store closes, whichever
-    # of the two exit handlers was registered first.
-    from ucm_patch.hooks.dump import shutdown_at_exit
-
-    shutdown_at_exit()
+    """Close this process's stores: the close phase of the exit sequence
+    (:mod:`ucm_patch.hooks.exit_sequence`), which runs the dumps' flush before it."""
     with _stores_lock:
         stores = list(_stores.values())
         _stores.clear()

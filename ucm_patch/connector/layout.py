@@ -15,11 +15,12 @@ Storage layout (docs/CONNECTOR.md "Keys and rows"):
   One row holds at most one layer per group, so "row ``r``, block id ``b``" names exactly
   one layer's page; a dump reads it once, at the row's last layer.
 * **Chunks** (attention groups): a stored value is ``chunk_blocks`` consecutive blocks of
-  one row, their pages back to back (``chunk_tokens`` of the connector config, 256 by
-  default like LMCache's chunks, rounded down to whole blocks, at least one). A GPU page is
-  64 KiB (Qwen3-8B, 16-token blocks): stored one per value, every page would pay the
-  store's per-value cost (an index entry, a frame); 16 of them make a 1 MiB value
-  (docs/CONNECTOR.md "Chunks"). A Mamba/GDN state is one block per value.
+  one row, their pages back to back (``chunk_tokens`` of the connector config, by default
+  :data:`~ucm_patch.connector.config.CHUNK_TOKENS` like LMCache's chunks, rounded down
+  to whole blocks, at least one). A GPU page is 64 KiB (Qwen3-8B, 16-token blocks):
+  stored one per value, every page would pay the store's per-value cost (an index
+  entry, a frame); 16 of them make a 1 MiB value (docs/CONNECTOR.md "Chunks"). A
+  Mamba/GDN state is one block per value.
 * **Keys**: ``ucm3/<fingerprint>/<block hash>/g<group>r<row>t<tp rank>``. The block hash is
   vLLM's content hash of the whole prefix up to the chunk's last block
   (``request.block_hashes``), so a key names content, not a request. The fingerprint
@@ -48,9 +49,6 @@ from ucm_patch.connector.rows import RowMap
 # (token, head, dim) order (connector/page_views.py), as ucm3 pages are; ucm1 stored the
 # raw bytes of the registered view. An older value is a miss, never misread.
 KEY_VERSION = "ucm3"
-#: Tokens of one attention value by default (``chunk_tokens``): LMCache's chunk size; 16
-#: GPU pages of 64 KiB (16-token blocks) make a 1 MiB value.
-CHUNK_TOKENS = 256
 ATTENTION = "attention"
 MAMBA = "mamba"
 
@@ -93,12 +91,11 @@ class KVLayout:
         hash_block_size: int,
         tp_size: int,
         identity: dict[str, Any],
-        chunk_tokens: int = 1,
+        chunk_tokens: int,
     ) -> None:
+        # chunk_tokens: checked with the other connector keys (connector.config)
         if not groups:
             raise LayoutError("KVLayout: the model has no KV-cache group to transfer")
-        if chunk_tokens <= 0:
-            raise LayoutError(f"KVLayout: chunk_tokens must be > 0, got {chunk_tokens}")
         if hash_block_size <= 0:
             raise LayoutError(f"KVLayout: hash_block_size must be > 0, got {hash_block_size}")
         for g in groups:
@@ -207,8 +204,8 @@ class KVLayout:
         cls,
         vllm_config: Any,
         kv_cache_config: Any,
-        namespace: str | None = None,
-        chunk_tokens: int = CHUNK_TOKENS,
+        namespace: str | None,
+        chunk_tokens: int,
     ) -> KVLayout:
         """Derive the layout from vLLM's configs (both connector sides call this)."""
         if kv_cache_config is None:
