@@ -31,8 +31,9 @@ Contract (all stores, verified by the shared store test-suite, tests/support/sto
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ucm_patch.hooks.settings import SettingError
@@ -71,6 +72,45 @@ class KVStore(ABC):
             "bytes_written": 0,
             "bytes_read": 0,
         }
+        # Guards ``stats`` and ``_closed``, nothing else. A leaf lock: held for a few dict
+        # updates only, never while taking another lock or calling out, so a store may take
+        # it while holding a lock of its own, never the other way round.
+        self._stats_lock = threading.Lock()
+        self._closed = False
+
+    # -- bookkeeping shared by the stores ---------------------------------------------------
+
+    def _label(self) -> str:
+        """How the store names itself in its errors (``local store '/data/kv'``); stores
+        with more to say than their :attr:`name` override it."""
+        return f"{self.name} store"
+
+    def _check_open(self) -> None:
+        """Raise :class:`StoreError` once the store is closed."""
+        if self._closed:
+            raise StoreError(f"{self._label()} is closed")
+
+    def _mark_closed(self) -> bool:
+        """Mark the store closed: True for the call that closed it, False after."""
+        with self._stats_lock:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
+
+    def _count(self, **deltas: int) -> None:
+        """Add to counters of :attr:`stats`."""
+        with self._stats_lock:
+            stats = self.stats
+            for name, delta in deltas.items():
+                stats[name] += delta
+
+    def _set_counts(self, totals: Callable[[], Mapping[str, int]]) -> None:
+        """Set counters of :attr:`stats` to totals kept elsewhere, read by ``totals()``
+        under the lock (so two callers never set them out of order); ``totals`` takes no
+        lock."""
+        with self._stats_lock:
+            self.stats.update(totals())
 
     @abstractmethod
     def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]]) -> list[bool]:

@@ -52,81 +52,34 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
-from ucm_patch.hooks.stores.base import KVStore, StoreError
+from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.framing import (
     HEADER_SIZE,
-    CorruptValue,
     as_bytes_view,
     copy_framed,
     key_bytes,
     load_store_key,
     make_header,
-    verify,
 )
 from ucm_patch.hooks.stores.keys import key_default
-from ucm_patch.hooks.stores.scatter import Scatter, check_targets, scatter_from, set_marks
+from ucm_patch.hooks.stores.mooncake_buffers import MooncakeBuffers, RegisteredBuffer
+from ucm_patch.hooks.stores.mooncake_codes import (
+    CODE_NAMES,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OK,
+    SAFE_PUT,
+    code_name,
+)
+from ucm_patch.hooks.stores.mooncake_gets import MooncakeGets
 
 log = logging.getLogger(__name__)
 
-#: ``take(index, checked payload view) -> bytes kept, or -1 when refused`` (see _read_many).
-_Take = Callable[[int, memoryview], int]
-
-OK = 0
-NO_AVAILABLE_HANDLE = -200
-INVALID_PARAMS = -600
-REPLICA_IS_NOT_READY = -703
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-LEASE_EXPIRED = -707
-RPC_FAIL = -900
-RPC_TIMEOUT = -901
-
-CODE_NAMES = {
-    NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE",
-    INVALID_PARAMS: "INVALID_PARAMS",
-    REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",
-    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
-    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
-    -706: "OBJECT_HAS_LEASE",
-    LEASE_EXPIRED: "LEASE_EXPIRED",
-    -800: "TRANSFER_FAIL",
-    RPC_FAIL: "RPC_FAIL",
-    RPC_TIMEOUT: "RPC_TIMEOUT",
-}
-
-# Rejections that happen before any transfer is submitted (or after it completed): the
-# buffer may be reused. Anything else may leave I/O in flight into the buffer.
-_SAFE_COMMON = frozenset(
-    {NO_AVAILABLE_HANDLE, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS}
-    | {RPC_FAIL, RPC_TIMEOUT}
-)
-_SAFE_PUT = _SAFE_COMMON | {INVALID_PARAMS}
-_SAFE_GET = _SAFE_COMMON | {INVALID_PARAMS, LEASE_EXPIRED}  # -600: buffer too small
-_MISS = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, LEASE_EXPIRED})
 _CLOSE_WAIT_S = 30.0
-
-
-def code_name(rc: int) -> str:
-    """``-900 (RPC_FAIL)`` style text for an error message."""
-    return f"{rc} ({CODE_NAMES.get(rc, 'unknown')})"
-
-
-class _Buffer:
-    """A registered bytearray. ``unsafe``: a transfer into it may still be running."""
-
-    def __init__(self, size: int, pooled: bool) -> None:
-        self.data = bytearray(size)
-        self.view = memoryview(self.data)
-        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.data))
-        self.size = size
-        self.pooled = pooled
-        self.unsafe = False
-        self.release_at = 0.0
 
 
 def is_loopback(host: str) -> bool:
@@ -141,8 +94,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class MooncakeStore(KVStore):
-    """Mooncake Store client with checksummed values and registered staging buffers."""
+class MooncakeStore(MooncakeGets, MooncakeBuffers):
+    """Mooncake Store client with checksummed values and registered staging buffers.
+
+    Its parts, by job: the registered memory (:class:`~.mooncake_buffers.MooncakeBuffers`)
+    and the gets through it (:class:`~.mooncake_gets.MooncakeGets`); here: the client's
+    setup, the puts, presence and close."""
 
     name = "mooncake"
 
@@ -178,16 +135,19 @@ class MooncakeStore(KVStore):
         self.master = master
         self.quarantine_s = quarantine_s
         self._warn = RateLimitedLog(log, 30.0)  # skipped puts: one line per cause per 30 s
-        self._stats_lock = threading.Lock()
-        self._buffers = threading.Condition()  # guards _free, _quarantine, _busy, _closed
-        self._free: list[_Buffer] = []
-        self._quarantine: list[_Buffer] = []  # kept alive until release_at
+        # _buffers guards _free, _quarantine and _busy. Lock order: _buffers, then the stats
+        # lock (KVStore's leaf lock: a quarantine is counted under _buffers), never the other
+        # way. The closed flag is KVStore's: close() sets it before it takes _buffers to
+        # wait for the busy buffers, and _acquire reads it under _buffers, so no buffer is
+        # handed out once close() has seen none busy.
+        self._buffers = threading.Condition()
+        self._free: list[RegisteredBuffer] = []
+        self._quarantine: list[RegisteredBuffer] = []  # kept alive until release_at
         self._busy = 0  # pooled buffers in use
         self._pooled = staging_buffers
-        self._closed = False
         self._slot = 256 << 10  # read slot size guess; grows to the largest value seen
         # (address, size) of the caller's registered regions: a tuple replaced whole under
-        # the lock, so that a put reads it without one
+        # _regions_lock (which guards nothing else), so that a put reads it without one
         self._regions: tuple[tuple[int, int], ...] = ()
         self._regions_lock = threading.Lock()
         try:
@@ -229,138 +189,11 @@ class MooncakeStore(KVStore):
             self._client.close()
             raise
 
-    # -- buffers --------------------------------------------------------------------------
-
-    def register_host_memory(self, addr: int, size: int) -> bool:
-        """Register the caller's buffer with the Mooncake client: puts from it are zero-copy
-        (module docstring). False when the store is closed, or (logged) when the client
-        refuses it: the caller's buffer then just goes through the staged path."""
-        if self._closed:
-            return False
-        rc = self._client.register_buffer(addr, size)
-        if rc != 0:
-            log.warning("mooncake store: register_buffer(%d bytes) failed: rc=%s", size, rc)
-            return False
-        with self._regions_lock:
-            self._regions = (*self._regions, (addr, size))
-        return True
-
-    def unregister_host_memory(self, addr: int) -> None:
-        with self._regions_lock:
-            kept = tuple(r for r in self._regions if r[0] != addr)
-            if len(kept) == len(self._regions):
-                return
-            self._regions = kept
-        if not self._closed and self._client.unregister_buffer(addr) != 0:
-            log.warning("mooncake store: unregister_buffer(0x%x) failed", addr)
-
-    def _new_buffer(self, size: int, pooled: bool) -> _Buffer:
-        buf = _Buffer(size, pooled)
-        rc = self._client.register_buffer(buf.addr, size)
-        if rc != 0:
-            raise StoreError(f"mooncake store: register_buffer({size} bytes) failed: rc={rc}")
-        return buf
-
-    def _recycle_locked(self) -> None:
-        """Give quarantined buffers whose time is up back to the pool (or unregister them)."""
-        now = time.monotonic()
-        for buf in [b for b in self._quarantine if b.release_at <= now]:
-            self._quarantine.remove(buf)
-            buf.unsafe = False
-            if buf.pooled:
-                self._free.append(buf)
-            elif self._client.unregister_buffer(buf.addr) != 0:
-                self._quarantine_locked(buf)  # still registered: keep it alive a while longer
-
-    def _quarantine_locked(self, buf: _Buffer) -> None:
-        buf.release_at = time.monotonic() + self.quarantine_s
-        self._quarantine.append(buf)
-        with self._stats_lock:
-            self.stats["quarantined"] += 1
-
-    def _acquire(self) -> _Buffer:
-        """A free staging buffer; waits while others are busy, fails fast if all are held back."""
-        with self._buffers:
-            while True:
-                if self._closed:
-                    raise StoreError(f"mooncake store (master {self.master!r}) is closed")
-                self._recycle_locked()
-                if self._free:
-                    self._busy += 1
-                    return self._free.pop()
-                if self._busy == 0:
-                    wait = min(b.release_at for b in self._quarantine) - time.monotonic()
-                    raise StoreError(
-                        f"mooncake store: all {self._pooled} staging buffers are quarantined "
-                        "after transfers that failed unconfirmed (storage node down?); the "
-                        f"next is released in {max(0.0, wait):.0f}s"
-                    )
-                self._buffers.wait(timeout=1.0)
-
-    def _release(self, buf: _Buffer) -> None:
-        """Return a buffer; one that may still be written to is quarantined, not reused."""
-        unregister = not buf.pooled and not buf.unsafe
-        if unregister and self._client.unregister_buffer(buf.addr) != 0:
-            buf.unsafe = True  # cannot prove it is idle
-        with self._buffers:
-            if buf.pooled:
-                self._busy -= 1
-            if buf.unsafe:
-                self._quarantine_locked(buf)
-            elif buf.pooled:
-                self._free.append(buf)
-            self._buffers.notify_all()
-
-    @contextmanager
-    def _staging(self) -> Iterator[_Buffer]:
-        buf = self._acquire()
-        try:
-            yield buf
-        finally:
-            self._release(buf)
-
-    @contextmanager
-    def registered_buffer(self, size: int) -> Iterator[_Buffer]:
-        """A one-off buffer of ``size`` bytes registered with the client (``.view``,
-        ``.addr``), released or quarantined on exit: a value larger than a staging buffer,
-        and benchmarks that call :attr:`client`'s batch calls on it."""
-        buf = self._new_buffer(size, False)
-        try:
-            yield buf
-        finally:
-            self._release(buf)
-
-    @property
-    def client(self) -> Any:
-        """The ``MooncakeDistributedStore`` under this store, for benchmarks of Mooncake's
-        own batch calls (the transport's ceiling, without framing or staging)."""
-        return self._client
-
-    def _call(self, buf: _Buffer, safe: frozenset[int], fn: Any, *args: Any) -> list[int]:
-        """Run a batch call on ``buf``; mark the buffer unsafe on unconfirmed results."""
-        try:
-            rcs = list(fn(*args))
-        except RuntimeError as exc:
-            buf.unsafe = True
-            raise StoreError(f"mooncake store: {fn.__name__} raised: {exc}") from exc
-        if len(rcs) != len(args[0]) or any(rc < 0 and rc not in safe for rc in rcs):
-            buf.unsafe = True
-        return rcs
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise StoreError(f"mooncake store (master {self.master!r}) is closed")
-
-    def _count(self, **deltas: int) -> None:
-        with self._stats_lock:
-            for name, delta in deltas.items():
-                self.stats[name] += delta
-
     # -- puts -----------------------------------------------------------------------------
 
     def put_many(self, items: Sequence[tuple[str, bytes | bytearray | memoryview]]) -> list[bool]:
         """Store framed values via ``batch_put_from``; False for keys skipped as full."""
-        self._check_usable()
+        self._check_open()
         slot_of: list[int] = []  # input index -> unique index (first value per key wins)
         first: dict[str, int] = {}
         unique: list[tuple[str, bytes, memoryview]] = []
@@ -450,7 +283,7 @@ class MooncakeStore(KVStore):
                     ptrs.append([buf.addr + at, addr])
                     sizes.append([HEADER_SIZE, len(payload)])
                 put = self._client.batch_put_from_multi_buffers
-                rcs = self._call(buf, _SAFE_PUT, put, keys, ptrs, sizes)
+                rcs = self._call(buf, SAFE_PUT, put, keys, ptrs, sizes)
                 for (i, _addr), rc in zip(part, rcs, strict=True):
                     codes[i] = rc
         self._count(zero_copy_puts=len(direct))
@@ -477,7 +310,9 @@ class MooncakeStore(KVStore):
                     codes[j] = rc
                 p = q
 
-    def _put_chunk(self, buf: _Buffer, chunk: list[tuple[str, bytes, memoryview]]) -> list[int]:
+    def _put_chunk(
+        self, buf: RegisteredBuffer, chunk: list[tuple[str, bytes, memoryview]]
+    ) -> list[int]:
         ptrs, sizes, off = [], [], 0
         for _key, kb, payload in chunk:
             end = off + HEADER_SIZE + len(payload)
@@ -487,165 +322,16 @@ class MooncakeStore(KVStore):
             sizes.append(end - off)
             off = end
         keys = [c[0] for c in chunk]
-        return self._call(buf, _SAFE_PUT, self._client.batch_put_from, keys, ptrs, sizes)
-
-    # -- gets -----------------------------------------------------------------------------
-
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values via ``batch_get_into``; None when missing or failing the frame check."""
-        out: list[bytes | None] = [None] * len(keys)
-
-        def take(i: int, payload: memoryview) -> int:
-            out[i] = bytes(payload)
-            return len(payload)
-
-        self._read_many(keys, take)
-        return out
-
-    def get_many_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        """Read each value's payload into the buffer of the same index: ``batch_get_into``
-        a registered staging buffer, verify the frame there, one copy into ``buffers``
-        (no ``bytes`` per value). False when missing, corrupt or not that buffer's size."""
-        if len(keys) != len(buffers):
-            raise ValueError(f"get_many_into: {len(keys)} keys for {len(buffers)} buffers")
-        out = [False] * len(keys)
-        views = [as_bytes_view(b) for b in buffers]
-
-        def take(i: int, payload: memoryview) -> int:
-            dst = views[i]
-            if len(payload) != len(dst):
-                return -1  # a value of another size: not this buffer's
-            dst[:] = payload
-            out[i] = True
-            return len(payload)
-
-        self._read_many(keys, take)
-        return out
-
-    def get_many_scattered(
-        self,
-        keys: Sequence[str],
-        targets: Sequence[Scatter],
-        marks: Sequence[tuple[int, int]] = (),
-        flags: Any = None,
-        located: Any = None,
-    ) -> list[bool]:
-        """Each value's pages written where its target says, from the registered staging
-        buffer its frame was checked in (one copy per byte, no ``bytes`` per value)."""
-        check_targets(keys, targets)
-        out = [False] * len(keys)
-
-        def take(i: int, payload: memoryview) -> int:
-            if len(payload) != targets[i].nbytes:
-                return -1  # a value of another size: not these pages'
-            scatter_from(payload, targets[i])
-            out[i] = True
-            return len(payload)
-
-        try:
-            self._read_many(keys, take)
-        finally:
-            set_marks(marks, flags)  # set at the end (no row is done before)
-        return out
-
-    def _read_many(self, keys: Sequence[str], take: _Take) -> None:
-        """Read ``keys`` through a staging buffer; ``take(index, checked payload view)``
-        keeps a value (the view dies with the call) and answers its size, -1 to refuse."""
-        self._check_usable()
-        kbs = [key_bytes(k) for k in keys]
-        taken: list[int] = []
-
-        def counted(i: int, payload: memoryview) -> None:
-            n = take(i, payload)
-            if n >= 0:
-                taken.append(n)
-
-        try:
-            self._get_into(keys, kbs, counted)
-        except StoreError:
-            self._count(errors=1)
-            raise
-        self._count(
-            gets=len(keys), hits=len(taken), misses=len(keys) - len(taken), bytes_read=sum(taken)
-        )
-
-    def _get_into(
-        self, keys: Sequence[str], kbs: list[bytes], take: Callable[[int, memoryview], None]
-    ) -> None:
-        exact: list[int] = []  # indexes whose value did not fit the guessed slot
-        with self._staging() as buf:
-            slot = min(self._slot, buf.size)
-            per = max(1, buf.size // slot)
-            for start in range(0, len(keys), per):
-                idx = list(range(start, min(start + per, len(keys))))
-                rcs = self._call(
-                    buf,
-                    _SAFE_GET,
-                    self._client.batch_get_into,
-                    [keys[i] for i in idx],
-                    [buf.addr + n * slot for n in range(len(idx))],
-                    [slot] * len(idx),
-                )
-                for n, (i, rc) in enumerate(zip(idx, rcs, strict=True)):
-                    if rc >= 0:
-                        payload = self._unframe(keys[i], kbs[i], buf.view[n * slot : n * slot + rc])
-                        if payload is not None:
-                            take(i, payload)
-                    elif rc == INVALID_PARAMS:
-                        exact.append(i)
-                    elif rc not in _MISS:
-                        raise StoreError(f"mooncake store: get of {keys[i]!r}: {code_name(rc)}")
-            for i in exact:
-                self._get_exact(buf, i, keys[i], kbs[i], take)
-
-    def _get_exact(
-        self, buf: _Buffer, i: int, key: str, kb: bytes, take: Callable[[int, memoryview], None]
-    ) -> None:
-        """Read one value whose size exceeded the slot guess, using its exact size."""
-        try:
-            size = self._client.get_size(key)
-        except RuntimeError as exc:
-            raise StoreError(f"mooncake store: get_size of {key!r} raised: {exc}") from exc
-        if size in _MISS:
-            return
-        if size < 0:
-            raise StoreError(f"mooncake store: get_size of {key!r}: {code_name(size)}")
-        self._slot = max(self._slot, size)
-        if size > buf.size:
-            with self.registered_buffer(size) as big:
-                payload = self._read_one(big, key, kb, size)
-                if payload is not None:
-                    take(i, payload)
-            return
-        payload = self._read_one(buf, key, kb, size)
-        if payload is not None:
-            take(i, payload)
-
-    def _read_one(self, buf: _Buffer, key: str, kb: bytes, size: int) -> memoryview | None:
-        (rc,) = self._call(buf, _SAFE_GET, self._client.batch_get_into, [key], [buf.addr], [size])
-        if rc in _MISS:
-            return None
-        if rc < 0:
-            raise StoreError(f"mooncake store: get of {key!r} ({size} bytes): {code_name(rc)}")
-        return self._unframe(key, kb, buf.view[:rc])
-
-    def _unframe(self, key: str, kb: bytes, framed: memoryview) -> memoryview | None:
-        """The checked payload (a view into ``framed``), or None after removing a corrupt
-        value."""
-        try:
-            verify(kb, framed[:HEADER_SIZE], framed[HEADER_SIZE:], self._secret)
-        except CorruptValue as exc:
-            rc = self._client.remove(key, True)
-            log.warning("mooncake store: dropped corrupt value %r (%s); remove rc=%s", key, exc, rc)
-            self._count(corrupt=1)
-            return None
-        return framed[HEADER_SIZE:]
+        return self._call(buf, SAFE_PUT, self._client.batch_put_from, keys, ptrs, sizes)
 
     # -- presence / lifecycle -------------------------------------------------------------
 
+    def _label(self) -> str:
+        return f"mooncake store (master {self.master!r})"
+
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """Presence via ``batch_is_exist`` (1 present, 0 absent, negative -> StoreError)."""
-        self._check_usable()
+        self._check_open()
         for key in keys:
             key_bytes(key)
         if not keys:
@@ -670,10 +356,9 @@ class MooncakeStore(KVStore):
         running native call could crash the process.
         """
         deadline = time.monotonic() + _CLOSE_WAIT_S
+        if not self._mark_closed():
+            return
         with self._buffers:
-            if self._closed:
-                return
-            self._closed = True
             self._buffers.notify_all()
             while self._busy and time.monotonic() < deadline:
                 self._buffers.wait(timeout=deadline - time.monotonic())
