@@ -21,10 +21,10 @@ from ucm_patch.connector.layout import KVLayout
 from ucm_patch.hooks.device import CpuDevice
 from ucm_patch.hooks.dump import DumpScheduler
 from ucm_patch.hooks.dump.keys import DUMP_KEYS, SCHEDULER_ARGS, copy_threads
-from ucm_patch.hooks.settings import SettingError
 from ucm_patch.hooks.stores import LOCAL_KEYS, MOONCAKE_KEYS, parse_store_config
 from ucm_patch.hooks.stores.local import LocalStore
 from ucm_patch.hooks.stores.mooncake import MooncakeStore
+from ucm_patch.hooks.value_checks import SettingError
 
 #: Keys whose default is computed (None in the table), and what parsing nothing gives.
 COMPUTED = {

@@ -16,8 +16,8 @@ from ucm_patch.connector import kv_connector
 from ucm_patch.errors import ConfigError
 from ucm_patch.hooks import stores
 from ucm_patch.hooks.dump.lifecycle import exit_flush_seconds
-from ucm_patch.hooks.settings import SettingError
 from ucm_patch.hooks.stores.framing import load_store_key
+from ucm_patch.hooks.value_checks import SettingError
 
 REPO = Path(__file__).resolve().parent.parent
 _SETTING = re.compile(r"^UCM_PATCH(_[A-Z0-9_]+)?$")

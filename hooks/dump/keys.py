@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ucm_patch.hooks import settings as v
+from ucm_patch.hooks import value_checks as v
 
 #: What a full queue does with a new dump: skip it at once, or wait up to
 #: ``dump_full_wait_s`` for a slot.
@@ -64,7 +64,7 @@ def default(key: str) -> Any:
 
 def checked(arg: str, value: object) -> Any:
     """``value`` for the scheduler's argument ``arg``, checked by its key's check; a
-    :class:`~ucm_patch.hooks.settings.SettingError` (a ``ValueError``) names both."""
+    :class:`~ucm_patch.hooks.value_checks.SettingError` (a ``ValueError``) names both."""
     key = SCHEDULER_ARGS[arg]
     return DUMP_KEYS[key][0](f"DumpScheduler {arg} ({key})", value)
 

@@ -11,7 +11,7 @@ an unknown key, a key of the other store, or a bad value raises :class:`StoreCon
 (a ``ValueError``) that names the key and lists what is accepted. The connector's own keys
 do not belong here: :func:`split_store_config` separates them by prefix.
 
-Values are checked by :mod:`ucm_patch.hooks.settings` (sizes: ints or ``"512MiB"``-style
+Values are checked by :mod:`ucm_patch.hooks.value_checks` (sizes: ints or ``"512MiB"``-style
 strings). The config is parsed once into a :class:`StoreConfig`, which the connector keeps
 and :func:`make_store` builds from. Importing this package never imports ``mooncake``; only
 building a Mooncake store does.
@@ -25,10 +25,10 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from ucm_patch import environment
-from ucm_patch.hooks import settings as v
-from ucm_patch.hooks.settings import parse_size
+from ucm_patch.hooks import value_checks as v
 from ucm_patch.hooks.stores.base import KVStore, StoreConfigError, StoreError, ValueSizeError
 from ucm_patch.hooks.stores.keys import LOCAL_KEYS, MOONCAKE_KEYS, STORE_KEYS, key_default
+from ucm_patch.hooks.value_checks import parse_size
 
 STORE_KINDS = ("local", "mooncake")
 PREFIXES = ("local_", "mooncake_")

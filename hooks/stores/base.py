@@ -36,8 +36,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ucm_patch.hooks.settings import SettingError
 from ucm_patch.hooks.stores.scatter import Scatter, check_targets, scatter_from, set_marks
+from ucm_patch.hooks.value_checks import SettingError
 
 
 class StoreError(RuntimeError):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ucm_patch.hooks import settings as v
-from ucm_patch.hooks.settings import parse_size
+from ucm_patch.hooks import value_checks as v
+from ucm_patch.hooks.value_checks import parse_size
 
 # key -> (parser, default, help). A default of None means "computed" (see make_store).
 LOCAL_KEYS: v.Table = {

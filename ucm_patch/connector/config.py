@@ -17,7 +17,7 @@ Two kinds of keys share the dict:
 
 Each key has one default and one check, in its table; :class:`ConnectorConfig` has no
 defaults of its own (:func:`parse_connector_config` fills every field). Every value check
-is :mod:`ucm_patch.hooks.settings`'s (one module for every table).
+is :mod:`ucm_patch.hooks.value_checks`'s (one module for every table).
 
 Nothing here imports vLLM or torch: the parser is usable (and tested) without them.
 """
@@ -28,9 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ucm_patch.hooks import settings as v
+from ucm_patch.hooks import value_checks as v
 from ucm_patch.hooks.dump.keys import DUMP_KEYS, copy_threads
-from ucm_patch.hooks.settings import SettingError
 from ucm_patch.hooks.stores import (
     STORE_KEYS,
     StoreConfig,
@@ -38,6 +37,7 @@ from ucm_patch.hooks.stores import (
     parse_store_config,
     split_store_config,
 )
+from ucm_patch.hooks.value_checks import SettingError
 
 LOAD_MODES = ("auto", "layerwise", "async")
 #: Tokens of one attention value by default (``chunk_tokens``): LMCache's chunk size; 16

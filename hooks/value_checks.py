@@ -1,10 +1,12 @@
-"""The value checks of every setting ucm_patch reads from vLLM's config: one module.
+"""The value checks of every key ucm_patch reads from vLLM's ``kv_connector_extra_config``:
+one module. (The environment variables, the "settings" of :mod:`ucm_patch.environment`,
+are parsed there.)
 
 Each check takes ``(key, value)`` and returns the parsed value, or raises
 :class:`SettingError` (a ``ValueError``) whose message starts with the key and says what
-is accepted. The tables that use them (``hooks.stores`` for store keys,
-``ucm_patch.connector.config`` for the connector's own) re-raise it as their own error
-type, message unchanged.
+is accepted. The key tables that use them (``hooks.stores.keys`` for store keys,
+``hooks.dump.keys`` for the dump engine's, ``ucm_patch.connector.config`` for the
+connector's own) re-raise it as their own error type, message unchanged.
 
 Sizes are ints (bytes) or strings with a binary unit: ``"512MiB"``, ``"64GiB"``. Decimal
 units (``"GB"``) are refused because tools disagree on whether they mean 10^9 or 2^30.
