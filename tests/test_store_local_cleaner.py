@@ -27,7 +27,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ucm_patch.hooks.stores import segment_cleaner, segment_files
-from ucm_patch.hooks.stores import tier as tier_module
+from ucm_patch.hooks.stores import tier_leases as tier_module
 from ucm_patch.hooks.stores.cleaner_process import SPILL_WRITE_NICE, SpillThread, SpillWriter
 from ucm_patch.hooks.stores.local import LocalStore
 from ucm_patch.hooks.stores.segment_cleaner import SegmentCleaner

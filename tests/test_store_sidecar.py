@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ucm_patch.hooks.stores import tier
+from ucm_patch.hooks.stores import tier_writes as tier
 from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.framing import HEADER_SIZE, PIECE
 from ucm_patch.hooks.stores.local import LocalStore

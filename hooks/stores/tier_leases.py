@@ -1,0 +1,211 @@
+"""Which segment of a tier a process appends to (:class:`TierLeases`, a part of
+:class:`~.tier.Tier`): a lease taken (the most recently used segment with room, else a
+ready one, else, in a tier that does not spill, the least recently used one emptied),
+kept between puts, and given back.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from ucm_patch.hooks.ratelimit import RateLimitedLog
+from ucm_patch.hooks.stores.base import StoreError
+from ucm_patch.hooks.stores.segment_cleaner import LEASE_IDLE_S, SegmentCleaner
+from ucm_patch.hooks.stores.segment_index import SegmentIndex, SegRow, pid_alive
+from ucm_patch.hooks.stores.tier_records import Spill
+
+#: How long a put that found the memory tier's reserve dry lets the next puts answer
+#: "skipped" without a look at the index, unless a cleaner spilled meanwhile
+#: (:meth:`TierLeases._dry_again`): a segment readied without a spill (one with no live
+#: values, or a lease given back with room) is seen after at most this long.
+DRY_RECHECK_S = 0.002
+
+
+@dataclass
+class Lease:
+    """A segment this process appends to: nobody else writes it while we hold it."""
+
+    seg: int
+    gen: int
+    end: int
+    used: float = 0.0  # time.monotonic() of its last put (kept leases: given back when idle)
+
+
+class TierLeases:
+    """The leases of a :class:`~.tier.Tier`: its state (below) is set up by the tier's
+    ``__init__``. Calls :meth:`~.tier_emptying.TierEmptying._empty` (a tier that does
+    not spill empties a segment for a lease) and :meth:`~.tier.Tier.touch`."""
+
+    name: str
+    segment_bytes: int
+    count: int
+    spill: Spill | None
+    reserve: int
+    reserve_dry: int
+    index: SegmentIndex
+    cleaner: SegmentCleaner
+    _ticks: memoryview
+    _shared: memoryview
+    _lock: threading.Lock
+    _warn: RateLimitedLog
+    _last: Lease | None
+    _dry: tuple[int, float] | None
+    _kept: list[Lease]
+    _kept_pid: int
+    _kept_lock: threading.Lock
+
+    # -- kept between puts ------------------------------------------------------------------
+
+    def _take_kept(self) -> Lease | None:
+        """A lease this process kept from an earlier put, if one is free."""
+        with self._kept_lock:
+            if self._kept_pid != os.getpid():  # a forked child: those are its parent's
+                self._kept, self._kept_pid, self._last = [], os.getpid(), None
+            return self._kept.pop() if self._kept else None
+
+    def _keep(self, lease: Lease, need: int) -> None:
+        """Keep ``lease`` for the next put (the cleaner gives it back when idle), or give it
+        back now when it has no room for a record of ``need`` bytes (the largest of this
+        put: the next one is likely alike), so that the segment can be evicted."""
+        if lease.end + need > self.segment_bytes:
+            self._seal_quietly(lease)
+            return
+        lease.used = time.monotonic()
+        with self._kept_lock:
+            if self._kept_pid == os.getpid():
+                self._kept.append(lease)
+                lease = None  # type: ignore[assignment]
+        if lease is not None:
+            self._seal_quietly(lease)
+            return
+        self.cleaner.ensure_started()
+
+    def release_idle_leases(self, idle_s: float = LEASE_IDLE_S) -> None:
+        """Give back the kept leases unused for ``idle_s`` (the cleaner, and close with 0)."""
+        cutoff = time.monotonic() - idle_s
+        with self._kept_lock:
+            if self._kept_pid != os.getpid():
+                return
+            idle = [lease for lease in self._kept if lease.used <= cutoff]
+            self._kept = [lease for lease in self._kept if lease.used > cutoff]
+        for lease in idle:
+            self._seal_quietly(lease)
+
+    def holds_kept_lease(self) -> bool:
+        """Whether this process keeps a lease here for its next put (one with room)."""
+        with self._kept_lock:
+            return self._kept_pid == os.getpid() and bool(self._kept)
+
+    # -- taken ------------------------------------------------------------------------------
+
+    def _new_lease(self, need: int, evict: bool = True, stamp: int | None = None) -> Lease | None:
+        """A segment to append to (kept between puts): the most recently used one that
+        nobody writes and that has room, else a never-used or emptied one, else (a tier
+        that does not spill) the least recently used one nobody writes, emptied here: an
+        index transaction. A spilling tier never empties one here: its cleaner keeps
+        emptied ones ready (:mod:`.segment_cleaner`) and is woken whenever one is taken;
+        nor does one with ``evict=False``. ``stamp``: the recency the lease's segment gets
+        (:meth:`_leased`). None when no segment is ready, or live processes write every
+        segment."""
+        me = os.getpid()
+        dry = self._dry
+        if dry is not None:
+            if self._shared[0] + self._shared[1] == dry[0] and time.monotonic() < dry[1]:
+                return self._dry_again()
+            self._dry = None
+        last = self._last  # the segment this process appended to last, as it left it
+        if last is not None and last.end + need <= self.segment_bytes:
+            gen = self.index.claim(last.seg, SegRow(last.gen, last.end, 0), me, empty=False)
+            if gen is not None:  # untouched since: no scan of the segment table
+                return self._leased(last.seg, gen, last.end, stamp=stamp)
+        for _attempt in range(16):
+            rows = self.index.segments()
+            free = [
+                (self._ticks[seg], seg, row)
+                for seg, row in rows.items()
+                if seg < self.count and self._takeable(row)
+            ]
+            room = [f for f in free if f[2].end and f[2].end + need <= self.segment_bytes]
+            if room:
+                _tick, seg, row = max(room)
+                gen = self.index.claim(seg, row, me, empty=False)
+                if gen is not None:
+                    return self._leased(seg, gen, row.end, stamp=stamp)
+                continue
+            fresh = next((s for s in range(self.count) if s not in rows), None)
+            if fresh is not None:
+                gen = self.index.claim(fresh, None, me, empty=True)
+                if gen is not None:
+                    return self._leased(fresh, gen, 0, ready=True, stamp=stamp)
+                continue
+            ready = [f for f in free if not f[2].end]  # emptied ahead (the reserve)
+            if ready:
+                _tick, seg, row = ready[0]
+                gen = self.index.claim(seg, row, me, empty=False)
+                if gen is not None:
+                    return self._leased(seg, gen, 0, ready=True, stamp=stamp)
+                continue
+            if not free:
+                break
+            if self.spill is not None or not evict:
+                break  # the reserve ran dry: skipped, never a spill on this thread
+            _tick, seg, row = min(free)
+            gen = self._empty(seg, row, remove=False)
+            if gen is not None:
+                return self._leased(seg, gen, 0, stamp=stamp)
+        if self.spill is not None:
+            self._dry = (self._shared[0] + self._shared[1], time.monotonic() + DRY_RECHECK_S)
+            self.cleaner.wake()
+            return self._dry_again()
+        if not evict:
+            with self._lock:
+                self.reserve_dry += 1
+        return None
+
+    def _dry_again(self) -> None:
+        """A put that found the reserve dry: counted, and no segment. Until a cleaner has
+        spilled again (the tier's shared spill counts change) or :data:`DRY_RECHECK_S`
+        passed, the next puts answer so without reading the index: with the reserve dry,
+        a scan of the segment table per put only took CPU time from the spills that
+        refill it (measured: bench_stores, "two tiers", 4 processes)."""
+        with self._lock:
+            self.reserve_dry += 1
+
+    def _leased(
+        self, seg: int, gen: int, end: int, ready: bool = False, stamp: int | None = None
+    ) -> Lease:
+        """A new lease of ``seg``; ``ready``: one taken from the reserve (or never used),
+        so the cleaner is woken to make another (a tier that spills). ``stamp``: the
+        segment's recency from a spilled segment's (:meth:`adopt`), not now: the values
+        keep their place in the recency order across the spill (an empty segment takes
+        it, one holding values keeps the newer of the two)."""
+        if stamp is None:
+            self.touch(seg)
+        else:
+            self._ticks[seg] = stamp if end == 0 else max(stamp, self._ticks[seg])
+        if ready and self.reserve:
+            self.cleaner.wake()
+        return Lease(seg, gen, end)
+
+    def _takeable(self, row: SegRow) -> bool:
+        return row.owner == 0 or (row.owner != os.getpid() and not pid_alive(row.owner))
+
+    # -- given back -------------------------------------------------------------------------
+
+    def _seal(self, lease: Lease) -> None:
+        self.index.release(lease.seg, lease.gen, os.getpid())
+        self._last = Lease(lease.seg, lease.gen, lease.end)
+
+    def _seal_quietly(self, lease: Lease) -> None:
+        """Give ``lease`` back on a failure path (a full disk may refuse that too: then
+        the segment is taken over once this process is gone)."""
+        try:
+            self._seal(lease)
+        except StoreError as exc:
+            self._warn.warning("seal", "%s tier: segment %d kept: %s", self.name, lease.seg, exc)
+
+
+__all__ = ["DRY_RECHECK_S", "Lease", "TierLeases"]
