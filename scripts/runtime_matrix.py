@@ -799,10 +799,12 @@ class Run:
 
 
 def run_child(run: Run, step: str, args: list[str], out: Path,
-              env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Run one child check; its result, with ``logged_error``: the first traceback it
-    logged (vLLM and ucm_patch log errors of worker threads and processes, and go on)."""
-    cmd = [run.python, str(CHILD), *args, str(out)]
+              env: dict[str, str] | None = None,
+              child: Path = CHILD) -> dict[str, Any]:  # fmt: skip
+    """Run one child check (:data:`CHILD`, or the tests' ``child``); its result, with
+    ``logged_error``: the first traceback it logged (vLLM and ucm_patch log errors of
+    worker threads and processes, and go on)."""
+    cmd = [run.python, str(child), *args, str(out)]
     output = _run(step, cmd, env={**run.env, **(env or {})}, timeout=CHECK_TIMEOUT_S)
     result = json.loads(out.read_text())
     result["said"] = said_at_start(output)

@@ -60,12 +60,14 @@ from typing import Any
 
 import pytest
 
-from tests.support import load_script
+from tests.support import REPO, load_script
 
 pytestmark = pytest.mark.vllm
 
 rm = load_script("runtime_matrix")
 child = load_script("matrix_child")
+#: The white-box oracle of the state offers (run in a matrix venv as matrix_child is).
+ORACLE_CHILD = REPO / "tests" / "support" / "state_oracle_child.py"
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +169,7 @@ def test_hybrid_hits_on_a_gdn_state_found_by_position(release, version: str, mod
     assert out["ok"], out
 
 
-#: The KV caches of the preemption traces, in blocks (matrix_child._preempted): two
+#: The KV caches of the preemption traces, in blocks (state_oracle_child._preempted): two
 #: prompts of two blocks less 4 tokens fit, their decodes crossing into a third block do
 #: not. With 16 one request is preempted once; with 12 they are preempted in turn, each
 #: resumed on its prefix (from the store or the local cache), and vLLM 0.29 offers the
@@ -177,7 +179,7 @@ PREEMPT_BLOCKS = (16, 12)
 
 @pytest.fixture(scope="module")
 def state_traces(release) -> Callable[[str], dict[str, dict[str, Any]]]:
-    """``state_traces(version)``: every trace of ``matrix_child.run_state_oracle`` run on
+    """``state_traces(version)``: every trace of ``state_oracle_child.run_state_oracle`` run on
     that release, each in a fresh process on a store of its own (``steps``, ``chunked``
     at the block size ``steps`` reported, and ``preempt`` at each of
     :data:`PREEMPT_BLOCKS`), by name."""
@@ -193,7 +195,8 @@ def state_traces(release) -> Callable[[str], dict[str, dict[str, Any]]]:
             store = run.work / f"oracle-store-{name.replace(':', '-')}"
             shutil.rmtree(store, ignore_errors=True)
             args = ["state-oracle", model, str(store), name]
-            return rm.run_child(run, f"oracle {name}", args, run.work / "oracle.json", seed)
+            out = run.work / "oracle.json"
+            return rm.run_child(run, f"oracle {name}", args, out, seed, child=ORACLE_CHILD)
 
         out = {"steps": trace("steps")}
         out["chunked"] = trace(f"chunked:{out['steps']['block_size']}")
