@@ -197,6 +197,11 @@ class TierLeases:
 
     def _seal(self, lease: Lease) -> None:
         self.index.release(lease.seg, lease.gen, os.getpid())
+        self._sealed(lease)
+
+    def _sealed(self, lease: Lease) -> None:
+        """``lease`` was given back (by :meth:`_seal`, or in its last publish's
+        transaction): remembered as this process left it."""
         self._last = Lease(lease.seg, lease.gen, lease.end)
 
     def _seal_quietly(self, lease: Lease) -> None:

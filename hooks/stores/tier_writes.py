@@ -125,6 +125,7 @@ class TierWrites:
         batch: list[Record] = []
         locs: list[tuple[bytes, bytes]] = []
         pack = LOC.pack
+        size = 0
         for i in pending:
             record = records[i]
             n = len(record[2])
@@ -134,6 +135,12 @@ class TierWrites:
             batch.append(record)
             locs.append((record[0], pack(seg, gen, end, HEADER_SIZE + n)))
             end += size
+        # No room left for a record like the next (or, the put done, like the last): the
+        # segment is given back in the publish's own transaction, not in one of its own.
+        # Beside vLLM's forward every index transaction costs GIL takes (py-lmdb gives the
+        # GIL up in each call), and a writer that loses it inside one holds LMDB's writer
+        # lock meanwhile, so one transaction fewer per segment is felt by every writer.
+        full = end + size > room
         try:
             try:
                 self._write(lease, batch, end, framed)
@@ -141,7 +148,8 @@ class TierWrites:
                 self.files.cut(seg, lease.end)  # a partly written batch: space back
                 where = self.files.where(seg)
                 raise StoreError(f"{self.name} tier: cannot write {where!r}: {exc}") from exc
-            if not self.index.publish(seg, gen, os.getpid(), locs, lease.end, end):
+            me = os.getpid()
+            if not self.index.publish(seg, gen, me, locs, lease.end, end, release=full):
                 raise StoreError(f"{self.name} tier: lost segment {seg} mid-write")
             self.index.flush()
         except BaseException:
@@ -149,6 +157,9 @@ class TierWrites:
             raise
         lease.end = end
         self.touch(seg)
+        if full:
+            self._sealed(lease)
+            return None, len(batch)
         return lease, len(batch)
 
     def _write(self, lease: Lease, batch: list[Record], end: int, framed: bool) -> None:
