@@ -19,6 +19,7 @@ from ucm_patch.hooks.events import EventSource
 from ucm_patch.hooks.metrics import DumpMetrics
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
+from ucm_patch.hooks.stores.publish_channel import beside_forward
 
 #: A failing store fails every row of every step: one warning per cause per this interval.
 FAILURE_LOG_INTERVAL_S = 60.0
@@ -61,6 +62,10 @@ class SchedulerWorkers:
     _busy_since: float
 
     def _work(self) -> None:
+        # The forward runs beside (vLLM's model runner): this thread's memory tier
+        # publishes go through the cleaner process, not py-lmdb calls that each give the
+        # GIL up here (.publish_channel).
+        beside_forward()
         popleft = self._dq.popleft
         dq = self._dq
         workers = self.config["workers"]

@@ -6,7 +6,9 @@ it), and it allocates nothing (no warmer). It refills the memory tier's reserve,
 disk tier's that puts written around a dry memory tier take from, in one recency order
 over both (:func:`~.segment_cleaner.refill_two`), whenever one is short: it looks when
 its writer wakes it (:class:`Waker`), when its spill ends, and every :data:`IDLE_POLL_S`
-anyway. It exits on SIGTERM (``close``: after the segment it is spilling), once its parent is gone
+anyway. It also publishes the index entries, and takes the leases, of its writer's
+threads that run beside a forward (:mod:`.publish_channel`), on a thread of its own. It
+exits on SIGTERM (``close``: after the segment it is spilling), once its parent is gone
 (killed included) or a tier's directory is, and ignores a terminal's SIGINT, which is
 its parent's to handle.
 """
@@ -25,6 +27,7 @@ from typing import Any
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.framing import load_store_key
+from ucm_patch.hooks.stores.publish_channel import serve
 from ucm_patch.hooks.stores.segment_cleaner import around_reserve, refill_two
 from ucm_patch.hooks.stores.tier import Tier
 
@@ -181,6 +184,12 @@ def main(args: dict[str, Any]) -> None:
     disk.run_spill_write = writer.run
     waker = Waker(int(args.get("wake_fd", -1)))
     spills = SpillThread(memory, warn, waker.poke)
+    busy = threading.Lock()  # held by a publish for the writer; taken for good at the end
+    fds = args.get("publish_fds")
+    if fds:  # the writer's dump threads publish and lease through here (.publish_channel)
+        threading.Thread(
+            target=serve, args=(memory, *fds, busy), name="ucm-publish", daemon=True
+        ).start()
     try:
         seen_disk, unfinished = b"", True
         reserve = 0 if disk.fsync else around_reserve(disk.count)
@@ -200,6 +209,7 @@ def main(args: dict[str, Any]) -> None:
         spills.close()
         waker.close()
         writer.close()
+        busy.acquire()  # no publish runs into the index closed next
         memory.close()
         disk.close()
 

@@ -51,6 +51,7 @@ from typing import Any, Protocol
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
+from ucm_patch.hooks.stores.publish_channel import PublishClient
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +233,19 @@ class WakePipe:
                 self._write_fd = -1
 
 
-def _end(proc: subprocess.Popen[bytes], parent: int, pipe: WakePipe | None = None) -> None:
+def _end(
+    proc: subprocess.Popen[bytes],
+    parent: int,
+    pipe: WakePipe | None = None,
+    publisher: PublishClient | None = None,
+) -> None:
     """Stop a cleaner process started by ``parent`` (not a forked child's to stop):
-    SIGTERM (it finishes its segment), SIGKILL after STOP_S. Its wake pipe is closed
-    (in a forked child too: its copy)."""
+    SIGTERM (it finishes its segment), SIGKILL after STOP_S. Its wake pipe and publish
+    channel are closed (in a forked child too: its copies)."""
     if pipe is not None:
         pipe.close()
+    if publisher is not None:
+        publisher.close()
     if parent != os.getpid() or proc.poll() is not None:
         return
     with contextlib.suppress(OSError):
@@ -261,6 +269,7 @@ class SegmentCleaner:
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._pipe: WakePipe | None = None  # tells the process to look (wake)
+        self._publisher: PublishClient | None = None  # publishes for threads beside a forward
         self._ender: weakref.finalize | None = None  # ends the process, closes the pipe
         self._spec: dict[str, Any] | None = None  # the two tiers, for the process
         self._below: weakref.ref[Any] | None = None  # the tier spilled into
@@ -281,6 +290,15 @@ class SegmentCleaner:
         """The cleaner process's pid, None when there is none (tests, tools)."""
         proc = self._proc
         return proc.pid if proc is not None and self._pid == os.getpid() else None
+
+    @property
+    def publisher(self) -> PublishClient | None:
+        """The cleaner process's publish channel (:mod:`.publish_channel`), None when there
+        is none that works (no process, it ended, a forked child: its parent's)."""
+        client = self._publisher
+        if client is None or client.broken or self._pid != os.getpid():
+            return None
+        return client
 
     def wake(self) -> None:
         """A ready segment was taken, or none was left: the reserve needs refilling. The
@@ -315,7 +333,11 @@ class SegmentCleaner:
     def _spawn(self, tier: Cleaned) -> subprocess.Popen[bytes] | None:
         pipe = WakePipe()
         wake_r = pipe.read_fd
-        args = {"parent": os.getpid(), "sys_path": sys.path, "wake_fd": wake_r}
+        request_r, request_w = os.pipe()
+        answer_r, answer_w = os.pipe()
+        publisher = PublishClient(request_w, answer_r)
+        args = {"parent": os.getpid(), "sys_path": sys.path, "wake_fd": wake_r,
+                "publish_fds": [request_r, answer_w]}  # fmt: skip
         args.update(self._spec or {})
         try:
             proc = subprocess.Popen(
@@ -323,22 +345,27 @@ class SegmentCleaner:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 close_fds=True,
-                pass_fds=(wake_r,),
+                pass_fds=(wake_r, request_r, answer_w),
             )
         except OSError as exc:
             pipe.close()
+            publisher.close()
             self._spawn_failed = True
             log.warning(
                 "%s tier %s: cleaner process not started (%s): a thread refills the reserve "
                 "(spills compete with this process for the GIL)", tier.name, tier.path, exc,
             )  # fmt: skip
             return None
+        finally:
+            os.close(request_r)  # the process's ends (or nobody's)
+            os.close(answer_w)
         pipe.close_read_end()  # the process's now
         if self._ender is not None:
-            self._ender()  # the process that died: its pipe closed (once: a finalizer)
+            self._ender()  # the process that died: its pipes closed (once: a finalizer)
         self._pipe = pipe
+        self._publisher = publisher
         # stop() ends it; so does dropping the tier without close() (a test's, a tool's)
-        self._ender = weakref.finalize(tier, _end, proc, os.getpid(), pipe)
+        self._ender = weakref.finalize(tier, _end, proc, os.getpid(), pipe, publisher)
         return proc
 
     def wait_idle(self, timeout: float = 30.0) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
+from ucm_patch.hooks.stores.publish_channel import is_beside_forward
 from ucm_patch.hooks.stores.segment_cleaner import LEASE_IDLE_S, SegmentCleaner
 from ucm_patch.hooks.stores.segment_index import SegmentIndex, SegRow, pid_alive
 from ucm_patch.hooks.stores.tier_records import Spill
@@ -22,6 +23,11 @@ from ucm_patch.hooks.stores.tier_records import Spill
 #: (:meth:`TierLeases._dry_again`): a segment readied without a spill (one with no live
 #: values, or a lease given back with room) is seen after at most this long.
 DRY_RECHECK_S = 0.002
+
+
+def _takeable(row: SegRow, owner: int) -> bool:
+    """Whether ``owner`` may take the segment of ``row``: nobody's, or a dead process's."""
+    return row.owner == 0 or (row.owner != owner and not pid_alive(row.owner))
 
 
 @dataclass
@@ -121,32 +127,26 @@ class TierLeases:
             gen = self.index.claim(last.seg, SegRow(last.gen, last.end, 0), me, empty=False)
             if gen is not None:  # untouched since: no scan of the segment table
                 return self._leased(last.seg, gen, last.end, stamp=stamp)
+        if self.spill is not None and stamp is None and is_beside_forward():
+            # beside a forward: the scan and the claim run in the cleaner process, whose
+            # py-lmdb calls give up no GIL of ours (.publish_channel)
+            publisher = self.cleaner.publisher
+            got = publisher.lease(need, me) if publisher is not None else None
+            if got:
+                seg, gen, end, ready = got
+                return self._leased(seg, gen, end, ready=ready)
+            if got is False:  # none ready there: the reserve ran dry
+                return self._reserve_dry()
         for _attempt in range(16):
             rows = self.index.segments()
-            free = [
-                (self._ticks[seg], seg, row)
-                for seg, row in rows.items()
-                if seg < self.count and self._takeable(row)
-            ]
-            room = [f for f in free if f[2].end and f[2].end + need <= self.segment_bytes]
-            if room:
-                _tick, seg, row = max(room)
-                gen = self.index.claim(seg, row, me, empty=False)
+            free = self._free(rows, me)
+            pick = self._pick(rows, free, need)
+            if pick is not None:
+                seg, row, ready = pick
+                gen = self.index.claim(seg, row, me, empty=row is None)
                 if gen is not None:
-                    return self._leased(seg, gen, row.end, stamp=stamp)
-                continue
-            fresh = next((s for s in range(self.count) if s not in rows), None)
-            if fresh is not None:
-                gen = self.index.claim(fresh, None, me, empty=True)
-                if gen is not None:
-                    return self._leased(fresh, gen, 0, ready=True, stamp=stamp)
-                continue
-            ready = [f for f in free if not f[2].end]  # emptied ahead (the reserve)
-            if ready:
-                _tick, seg, row = ready[0]
-                gen = self.index.claim(seg, row, me, empty=False)
-                if gen is not None:
-                    return self._leased(seg, gen, 0, ready=True, stamp=stamp)
+                    end = 0 if ready or row is None else row.end
+                    return self._leased(seg, gen, end, ready=ready, stamp=stamp)
                 continue
             if not free:
                 break
@@ -157,12 +157,59 @@ class TierLeases:
             if gen is not None:
                 return self._leased(seg, gen, 0, stamp=stamp)
         if self.spill is not None:
-            self._dry = (self._shared[0] + self._shared[1], time.monotonic() + DRY_RECHECK_S)
-            self.cleaner.wake()
-            return self._dry_again()
+            return self._reserve_dry()
         if not evict:
             with self._lock:
                 self.reserve_dry += 1
+        return None
+
+    def _reserve_dry(self) -> None:
+        """A spilling tier found no segment ready: counted, its cleaner woken, and the next
+        puts answer at once for a while (:meth:`_dry_again`)."""
+        self._dry = (self._shared[0] + self._shared[1], time.monotonic() + DRY_RECHECK_S)
+        self.cleaner.wake()
+        return self._dry_again()
+
+    def _free(self, rows: dict[int, SegRow], owner: int) -> list[tuple[int, int, SegRow]]:
+        """(recency, segment, row) of the segments ``owner`` may take."""
+        return [
+            (self._ticks[seg], seg, row)
+            for seg, row in rows.items()
+            if seg < self.count and _takeable(row, owner)
+        ]
+
+    def _pick(
+        self, rows: dict[int, SegRow], free: list[tuple[int, int, SegRow]], need: int
+    ) -> tuple[int, SegRow | None, bool] | None:
+        """The segment to claim, in order of choice: the most recently used one with room
+        for ``need`` bytes, else a never-used one, else one emptied ahead (the reserve):
+        (segment, its row, or None for a never-used one, ready). None: none of those."""
+        room = [f for f in free if f[2].end and f[2].end + need <= self.segment_bytes]
+        if room:
+            _tick, seg, row = max(room)
+            return seg, row, False
+        fresh = next((s for s in range(self.count) if s not in rows), None)
+        if fresh is not None:
+            return fresh, None, True
+        ready = [f for f in free if not f[2].end]
+        if ready:
+            _tick, seg, row = ready[0]
+            return seg, row, True
+        return None
+
+    def claim_for(self, need: int, owner: int) -> tuple[int, int, int, bool] | None:
+        """What :meth:`_new_lease` takes first, claimed for another process ``owner`` (its
+        cleaner process runs this for its threads beside a forward): (segment,
+        generation, end, ready), or None when none is ready."""
+        for _attempt in range(16):
+            rows = self.index.segments()
+            pick = self._pick(rows, self._free(rows, owner), need)
+            if pick is None:
+                return None
+            seg, row, ready = pick
+            gen = self.index.claim(seg, row, owner, empty=row is None)
+            if gen is not None:
+                return seg, gen, 0 if ready or row is None else row.end, ready
         return None
 
     def _dry_again(self) -> None:
@@ -191,7 +238,7 @@ class TierLeases:
         return Lease(seg, gen, end)
 
     def _takeable(self, row: SegRow) -> bool:
-        return row.owner == 0 or (row.owner != os.getpid() and not pid_alive(row.owner))
+        return _takeable(row, os.getpid())
 
     # -- given back -------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ from ucm_patch.hooks.stores.framing import (
     make_header,
 )
 from ucm_patch.hooks.stores.memcopy import copy_bytes
+from ucm_patch.hooks.stores.publish_channel import is_beside_forward
+from ucm_patch.hooks.stores.segment_cleaner import SegmentCleaner
 from ucm_patch.hooks.stores.segment_files import FileSegments
 from ucm_patch.hooks.stores.segment_index import LOC, SegmentIndex
 from ucm_patch.hooks.stores.sidecar import sidecar
@@ -62,6 +64,7 @@ class TierWrites:
     fsync: bool
     files: FileSegments
     index: SegmentIndex
+    cleaner: SegmentCleaner
 
     def put(
         self, records: Sequence[Record], framed: bool = False, evict: bool = True
@@ -148,8 +151,7 @@ class TierWrites:
                 self.files.cut(seg, lease.end)  # a partly written batch: space back
                 where = self.files.where(seg)
                 raise StoreError(f"{self.name} tier: cannot write {where!r}: {exc}") from exc
-            me = os.getpid()
-            if not self.index.publish(seg, gen, me, locs, lease.end, end, release=full):
+            if not self._publish(seg, gen, locs, lease.end, end, full):
                 raise StoreError(f"{self.name} tier: lost segment {seg} mid-write")
             self.index.flush()
         except BaseException:
@@ -161,6 +163,28 @@ class TierWrites:
             self._sealed(lease)
             return None, len(batch)
         return lease, len(batch)
+
+    def _publish(
+        self, seg: int, gen: int, locs: list[tuple[bytes, bytes]], start: int, end: int,
+        release: bool,
+    ) -> bool:  # fmt: skip
+        """Publish a batch (:meth:`SegmentIndex.publish`): through the cleaner process from
+        a thread beside a forward, where it has one that answers (:mod:`.publish_channel`:
+        py-lmdb gives the GIL up per key), else here."""
+        me = os.getpid()
+        tried = False
+        if is_beside_forward():
+            publisher = self.cleaner.publisher
+            if publisher is not None:
+                done = publisher.publish(seg, gen, me, locs, start, end, release)
+                if done is not None:
+                    return done
+                tried = True
+        if self.index.publish(seg, gen, me, locs, start, end, release=release):
+            return True
+        # Not ours any more: lost, or the cleaner published it (and gave the segment back)
+        # after we stopped waiting for its answer. Then every key has its entry.
+        return tried and None not in self.index.lookup([digest for digest, _loc in locs])
 
     def _write(self, lease: Lease, batch: list[Record], end: int, framed: bool) -> None:
         """Write ``batch`` from ``lease.end`` on. A mapped segment takes the whole batch in
