@@ -407,3 +407,36 @@ def test_answers_given_up_on_lose_nothing_and_fail_nothing(
     keys = [f"race{i}" for i in range(4 * per_segment)]
     assert all(_put_beside_forward(store, keys))
     assert store.get_many(keys) == [_value(k) for k in keys]
+
+
+def test_a_forked_child_closes_its_copy_while_a_request_is_in_flight(
+    index: SegmentIndex,
+) -> None:
+    """A child forked while a thread waits for an answer (the lock taken) closes its
+    copy of the channel at exit without that lock, which no thread of it will release."""
+    chan = _Channel(index)
+    try:
+        assert chan.client._lock.acquire()  # a request in flight in another thread
+        pid = os.fork()
+        if pid == 0:  # the child: close, then report how it went
+            try:
+                chan.client.close()
+                os._exit(0 if chan.client.broken else 1)
+            finally:
+                os._exit(2)
+        deadline = time.monotonic() + 10
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the child's close waited for a lock no thread of it holds")
+            time.sleep(0.01)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not chan.client.broken  # the parent's channel is untouched
+    finally:
+        if chan.client._lock.locked():
+            chan.client._lock.release()
+        chan.close()

@@ -109,6 +109,7 @@ class PublishClient:
         self._request_fd = request_fd
         self._answer_fd = answer_fd
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         self._number = 0
         self._owed: int | None = 0  # the answer awaited before the next request
         self._orphans: list[tuple[int, int, int, bool]] = []  # leases answered late
@@ -196,14 +197,23 @@ class PublishClient:
         return None
 
     def close(self) -> None:
+        """Close both ends: under the lock (a request in flight finishes or gives up first,
+        so that no read meets a descriptor number reused), except in a forked child,
+        whose copy of the lock may have been taken by a thread that does not exist there."""
+        if os.getpid() != self._pid:
+            self._close_fds()
+            return
         with self._lock:
-            self.broken = True
-            for fd in (self._request_fd, self._answer_fd):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._request_fd = self._answer_fd = -1
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        self.broken = True
+        for fd in (self._request_fd, self._answer_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._request_fd = self._answer_fd = -1
 
 
 class Served(Protocol):
