@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ucm_patch.hooks.stores.base import StoreError
-from ucm_patch.hooks.stores.segment_index import DIGEST, LOC
+from ucm_patch.hooks.stores.segment_index import DIGEST, LOC, SegmentIndex
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +64,6 @@ def beside_forward() -> None:
 
 def is_beside_forward() -> bool:
     return getattr(_local, "beside", False)
-
-
-class Publisher(Protocol):
-    def publish(
-        self,
-        seg: int,
-        gen: int,
-        owner: int,
-        locs: Sequence[tuple[bytes, bytes]],
-        start: int,
-        end: int,
-        release: bool = False,
-    ) -> bool: ...
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -219,7 +206,7 @@ class PublishClient:
 class Served(Protocol):
     """What the cleaner process serves from: its memory tier."""
 
-    index: Publisher
+    index: SegmentIndex
 
     def claim_for(self, need: int, owner: int) -> tuple[int, int, int, bool] | None: ...
 
