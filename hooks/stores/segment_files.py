@@ -293,7 +293,12 @@ class MappedSegments(FileSegments):
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         # MAP_POPULATE: the page tables are filled now, not by a fault per page in a copy
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        m = mmap.mmap(fd, self.segment_bytes, flags=flags, prot=prot)
+        try:
+            m = mmap.mmap(fd, self.segment_bytes, flags=flags, prot=prot)
+        except ValueError as exc:  # cut short behind the store since its size was checked
+            raise SegmentLost(
+                errno.EINVAL, f"shorter than a segment ({exc})", self.where(seg)
+            ) from exc
         return m, memoryview(m)
 
     def _install(self, seg: int, extra: tuple[mmap.mmap, memoryview]) -> None:
