@@ -139,6 +139,49 @@ def test_a_lease_through_the_channel_is_claimed_for_the_writer(index: SegmentInd
         chan.close()
 
 
+def test_one_request_publishes_several_segments_and_claims_leases(index: SegmentIndex) -> None:
+    """A put's whole work on the index in one request: the publishes of every segment it
+    wrote (a full one given back in its own, one with no records only given back), then
+    the leases it wants; fewer leases than asked, none being ready, is DRY."""
+    me = os.getpid()
+    gens = {seg: index.claim(seg, None, me, empty=True) for seg in (1, 2, 3)}
+    free = [7, 8]
+
+    def claim(need: int, owner: int) -> tuple[int, int, int, bool] | None:
+        if not free:
+            return None
+        seg = free.pop(0)
+        gen = index.claim(seg, None, owner, empty=True)
+        assert gen is not None
+        return seg, gen, 0, True
+
+    chan = _Channel(index, claim=claim)
+    try:
+        first, second = _locs(1, gens[1], 10), _locs(2, gens[2], 14)[10:]
+        answer = chan.client.request(me, [
+            (1, gens[1], 0, 10 * 128, True, first),
+            (2, gens[2], 0, 4 * 128, False, second),
+            (3, gens[3], 0, 0, True, []),
+        ], need=4096, leases=3)  # fmt: skip
+        assert answer is not None
+        assert answer.published == [True, True, True]
+        assert [lease[0] for lease in answer.leases] == [7, 8] and answer.dry
+        rows = index.segments()
+        assert (rows[1].owner, rows[2].owner, rows[3].owner) == (0, me, 0)
+        assert (rows[7].owner, rows[8].owner) == (me, me)
+        got = index.lookup([d for d, _loc in first + second])
+        assert [LOC.pack(*loc) for loc in got] == [loc for _d, loc in first + second]
+        # a segment not the writer's any more: that publish alone LOST
+        gone = (1, gens[1], 0, 1, False, _locs(1, gens[1], 1))
+        more = (2, gens[2], 512, 640, False, _locs(2, gens[2], 15)[14:])
+        answer = chan.client.request(me, [gone, more])
+        assert answer is not None and answer.published == [False, True]
+        with pytest.raises(ValueError, match="at most"):
+            chan.client.request(me, need=1, leases=publish_channel.MOST + 1)
+    finally:
+        chan.close()
+
+
 def test_a_lease_answered_late_is_the_next_one(
     index: SegmentIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -341,7 +384,9 @@ def test_a_thread_beside_the_forward_publishes_through_the_cleaner(
     assert all(_put_beside_forward(store, keys))
     assert calls == []  # not one publish in this process
     assert index_calls == []  # nor a lease's scan or claim, nor a release
-    assert client.sent - sent >= len(keys) + 3  # every publish, and a lease per segment
+    # one request per put: its publish, and once it filled a segment, the next lease
+    # in the same request (the process kept one from the put of "start")
+    assert client.sent - sent == len(keys)
     assert store.get_many(keys) == [_value(k) for k in keys]
     # a thread not beside a forward publishes itself (a round trip costs it more)
     sent = client.sent

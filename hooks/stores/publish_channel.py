@@ -7,9 +7,14 @@ a dump thread's publish of a row paid one such wait for several of its keys, and
 one that lost the GIL inside its transaction held LMDB's writer lock meanwhile (the
 figures: docs/CONNECTOR.md, "Dumps beside the forward"). Sent here, the publish is the same
 :meth:`~.segment_index.SegmentIndex.publish`, run by the cleaner process, which runs no
-forward; the thread gives the GIL up twice (the request's write, the answer's wait).
-So is a lease's scan of the segment table and its claim
+forward. So is a lease's scan of the segment table and its claim
 (:meth:`~.tier_leases.TierLeases.claim_for`), which cost as many takes.
+
+One request carries a put's whole work on the index: the publishes of every segment it
+wrote (each with its release when full) and the leases it wants (the segments it needs
+next), answered together. The request is written and the answer read with the GIL kept
+(:mod:`.nowait_io`, non-blocking pipes): the wait for the answer is the one time a
+request gives the GIL up.
 
 Only threads that run beside a forward send (:func:`beside_forward`: the dump scheduler's
 workers mark themselves); a put from any other thread publishes itself, as it costs a
@@ -19,39 +24,66 @@ publish itself, which is always correct: a publish is idempotent (the first valu
 digest wins; the segment's end only grows) and checks that the segment is still the
 writer's, so one that ran late in the cleaner changes nothing.
 
-A request: :data:`REQUEST` then ``n`` records of a digest and its packed location; the
-answer: :data:`ANSWER` (the request's number, :data:`PUBLISHED`, :data:`LOST` or
-:data:`ERROR`, and a lease's segment). A lease given to a writer whose answer came late
-is its own all the same (owner: its pid): the client keeps it, and its next lease is
-that one, with no request.
+A request: :data:`REQUEST`, then per publish :data:`FRAGMENT` and its records (a digest
+and its packed location each); the answer: :data:`ANSWER`, a status byte per publish
+(:data:`PUBLISHED` or :data:`LOST`), then :data:`LEASE_ROW` per lease claimed. A lease
+given to a writer whose answer came late is its own all the same (owner: its pid): the
+client keeps it, and its next lease is that one, with no request.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import select
 import struct
 import threading
+import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ucm_patch.hooks.stores.base import StoreError
+from ucm_patch.hooks.stores.nowait_io import read_nowait, write_nowait
 from ucm_patch.hooks.stores.segment_index import DIGEST, LOC, SegmentIndex
 
 log = logging.getLogger(__name__)
 
-#: request number, kind, segment, generation, owner pid, start, end (a lease: the bytes
-#: needed), release, records
-REQUEST = struct.Struct("<IBIQIQQBI")
-PUBLISH, LEASE = 1, 2
-#: request number, status, and a lease's segment, generation, end and ready
-ANSWER = struct.Struct("<IBIQQB")
-PUBLISHED, LOST, ERROR = 1, 0, 2  # a lease: PUBLISHED with one, LOST with none ready
+#: request number, owner pid, the bytes a lease needs room for, leases wanted, publishes
+REQUEST = struct.Struct("<IIQHH")
+#: one publish: segment, generation, start, end, release, records
+FRAGMENT = struct.Struct("<IQQQBI")
+#: answer number, status (:data:`DONE`, :data:`DRY`: fewer leases than asked, none was
+#: ready, :data:`ERROR`: nothing of it is known done), publishes, leases
+ANSWER = struct.Struct("<IBHH")
+DONE, DRY, ERROR = 1, 3, 2
+#: a publish's status in an answer
+PUBLISHED, LOST = 1, 0
+#: one lease claimed: segment, generation, end, ready
+LEASE_ROW = struct.Struct("<IQQB")
 RECORD = DIGEST + LOC.size
+#: Most publishes, and most leases, in one request (the answer fits a fixed buffer).
+MOST = 255
 #: How long a writer waits for an answer before publishing itself (a cleaner stopped or
 #: starved of CPU: the publish is still correct either way).
 ANSWER_TIMEOUT_S = 2.0
+
+#: One publish of a request: (segment, generation, start, end, release, its records
+#: (digest, packed location)).
+Fragment = tuple[int, int, int, int, bool, Sequence[tuple[bytes, bytes]]]
+#: One lease claimed: (segment, generation, end, ready).
+Claimed = tuple[int, int, int, bool]
+
+
+class Answer(NamedTuple):
+    """What a request got: per publish whether it was (False: the segment was not the
+    writer's any more), the leases claimed, and whether fewer were because none was ready."""
+
+    published: list[bool]
+    leases: list[Claimed]
+    dry: bool
+
 
 _local = threading.local()
 
@@ -95,13 +127,49 @@ class PublishClient:
     def __init__(self, request_fd: int, answer_fd: int) -> None:
         self._request_fd = request_fd
         self._answer_fd = answer_fd
+        # Both ends of ours never block: a request is written, and an answer read, with
+        # the GIL kept (.nowait_io); only a wait for an answer not there yet gives it up.
+        os.set_blocking(request_fd, False)
+        os.set_blocking(answer_fd, False)
+        self._answer = ctypes.create_string_buffer(ANSWER.size + MOST + MOST * LEASE_ROW.size)
+        self._have = 0  # bytes of the next answer read so far
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._number = 0
         self._owed: int | None = 0  # the answer awaited before the next request
-        self._orphans: list[tuple[int, int, int, bool]] = []  # leases answered late
+        self._orphans: list[Claimed] = []  # leases answered late
         self.broken = False
-        self.sent = 0  # requests answered PUBLISHED or LOST (tests, tools)
+        self.sent = 0  # requests answered (tests, tools)
+
+    def request(
+        self, owner: int, publishes: Sequence[Fragment] = (), need: int = 0, leases: int = 0
+    ) -> Answer | None:
+        """Run ``publishes`` (each :meth:`SegmentIndex.publish`), then claim up to
+        ``leases`` segments with room for ``need`` bytes
+        (:meth:`~.tier_leases.TierLeases.claim_for`) for ``owner``, in the cleaner
+        process: its :class:`Answer`; None when it could not be (the caller does it
+        itself). Leases answered late to an earlier request come first, with no claim."""
+        if len(publishes) > MOST or leases > MOST:
+            raise ValueError(f"publish channel: {len(publishes)} publishes and {leases} "
+                             f"leases in one request; at most {MOST} of each")  # fmt: skip
+        with self._lock:
+            self._catch_up()
+            orphans: list[Claimed] = []
+            while self._orphans and len(orphans) < leases:
+                orphans.append(self._orphans.pop())
+            leases -= len(orphans)
+            if not publishes and not leases:
+                return Answer([], orphans, False)
+            body = [REQUEST.pack(0, owner, need, leases, len(publishes))]
+            for seg, gen, start, end, release, locs in publishes:
+                body.append(FRAGMENT.pack(seg, gen, start, end, release, len(locs)))
+                body += [d + loc for d, loc in locs]
+            answer = self._call(b"".join(body))
+            if answer is None:
+                self._orphans += orphans
+                return None
+            answer.leases[:0] = orphans
+            return answer
 
     def publish(
         self,
@@ -115,73 +183,114 @@ class PublishClient:
     ) -> bool | None:
         """What :meth:`SegmentIndex.publish` answers, run by the cleaner process; None
         when it could not be (the caller publishes itself)."""
-        head = (PUBLISH, seg, gen, owner, start, end, release, len(locs))
-        answer = self._call(head, b"".join([d + loc for d, loc in locs]))
-        return None if answer is None else answer[0] == PUBLISHED
+        answer = self.request(owner, [(seg, gen, start, end, release, locs)])
+        return None if answer is None else answer.published[0]
 
-    def lease(self, need: int, owner: int) -> tuple[int, int, int, bool] | bool | None:
+    def lease(self, need: int, owner: int) -> Claimed | bool | None:
         """What :meth:`~.tier_leases.TierLeases.claim_for` answers, run by the cleaner
         process: (segment, generation, end, ready) claimed for ``owner``; False when none
         is ready; None when it could not be (the caller looks itself)."""
-        with self._lock:
-            self._catch_up()
-            if self._orphans:
-                return self._orphans.pop()
-        answer = self._call((LEASE, 0, 0, owner, 0, need, False, 0), b"")
+        answer = self.request(owner, need=need, leases=1)
         if answer is None:
             return None
-        status, seg, gen, end, ready = answer
-        return (seg, gen, end, bool(ready)) if status == PUBLISHED else False
+        return answer.leases[0] if answer.leases else False
 
-    def _call(self, head: tuple[int, ...], body: bytes) -> tuple[int, int, int, int, int] | None:
-        """Send one request, wait for its answer: (status, segment, generation, end,
-        ready); None when there is none to use (not serving, owed, late, ended, ERROR)."""
-        with self._lock:
-            self._catch_up()
-            if self.broken or self._owed is not None:
-                return None
-            self._number = number = self._number % 0xFFFFFFFF + 1
-            try:
-                _write_all(self._request_fd, REQUEST.pack(number, *head) + body)
-            except OSError:
-                self.broken = True  # the process ended
-                return None
-            self._owed = number
-            answer = self._answered(ANSWER_TIMEOUT_S)
-            if answer is None or answer[0] == ERROR:
-                return None
-            self.sent += 1
-            return answer
+    def _call(self, request: bytes) -> Answer | None:
+        """Send ``request`` (its number 0: numbered here), wait for its answer; None when
+        there is none to use (not serving, owed, late, ended, ERROR). With the lock held."""
+        if self.broken or self._owed is not None:
+            return None
+        self._number = number = self._number % 0xFFFFFFFF + 1
+        try:
+            self._send(struct.pack("<I", number) + request[4:])
+        except OSError:
+            self.broken = True  # the process ended, or stopped reading
+            return None
+        self._owed = number
+        answer = self._answered(ANSWER_TIMEOUT_S)
+        if answer is None or answer[0] == ERROR:
+            return None
+        self.sent += 1
+        return Answer(answer[1], answer[2], answer[0] == DRY)
 
     def _catch_up(self) -> None:
         """Read the answer owed to a request given up on, if it came meanwhile (without
-        waiting); a lease in it is kept for the next one (called with the lock held)."""
+        waiting); the leases in it are kept for the next ones (with the lock held)."""
         if self._owed is not None and not self.broken:
             late = self._answered(0.0)
-            if late is not None and late[0] == PUBLISHED and late[2]:
-                self._orphans.append((late[1], late[2], late[3], bool(late[4])))
+            if late is not None:
+                self._orphans += late[2]
 
-    def _answered(self, timeout: float) -> tuple[int, int, int, int, int] | None:
-        """Read answers until the owed one (within ``timeout``): its fields past the
-        number, then nothing is owed; None when it has not come (or the process ended:
-        broken)."""
+    def _send(self, data: bytes) -> None:
+        """Write a request: at once with the GIL kept, the usual case (a pipe holds 64 KiB,
+        and the cleaner process reads each request as it comes); what the pipe did not
+        take, waiting for it to, within :data:`ANSWER_TIMEOUT_S` (OSError past that: a
+        request cut short would make the stream unreadable, so the channel is given up)."""
+        fd = self._request_fd
+        sent = write_nowait(fd, data)
+        if sent == len(data):
+            return
+        view = memoryview(data)[sent:]
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
+                raise OSError(errno.ETIMEDOUT, "the cleaner process reads no requests")
+            view = view[write_nowait(fd, bytes(view)) :]
+
+    def _answered(self, timeout: float) -> tuple[int, list[bool], list[Claimed]] | None:
+        """Read answers until the owed one (within ``timeout``): its status, publishes and
+        leases, then nothing is owed; None when it has not come (or the process ended:
+        broken). Leases in answers to requests given up on earlier are kept (orphans)."""
+        deadline = time.monotonic() + timeout
         try:
-            while select.select([self._answer_fd], [], [], timeout)[0]:
-                answer = _read_exactly(self._answer_fd, ANSWER.size)
-                if len(answer) < ANSWER.size:
-                    break  # the process ended
-                number, status, seg, gen, end, ready = ANSWER.unpack(answer)
+            while True:
+                answer = self._next_answer(deadline)
+                if answer is None:
+                    return None
+                number, status, published, leases = answer
                 if number == self._owed:
                     self._owed = None
-                    return status, seg, gen, end, ready
-                if status == PUBLISHED and gen:  # a lease answered late: ours all the same
-                    self._orphans.append((seg, gen, end, bool(ready)))
-            else:
-                return None
-        except OSError:
+                    return status, published, leases
+                self._orphans += leases  # a lease answered late: ours all the same
+        except (OSError, EOFError):
             pass
         self.broken = True
         return None
+
+    def _next_answer(self, deadline: float) -> tuple[int, int, list[bool], list[Claimed]] | None:
+        """The next whole answer: read as far as it is there with the GIL kept, waiting
+        (``select``, the one GIL give-up of a request) only while some of it is not, until
+        ``deadline``: None then (what was read stays for the next call). EOFError: the
+        process ended."""
+        fd, buf = self._answer_fd, self._answer
+        want = ANSWER.size
+        while True:
+            if self._have >= ANSWER.size:
+                _n, _s, publishes, leases = ANSWER.unpack_from(buf)
+                want = ANSWER.size + publishes + leases * LEASE_ROW.size
+                if self._have >= want:
+                    break
+            got = read_nowait(fd, buf, self._have, want - self._have)
+            if got > 0:
+                self._have += got
+                continue
+            if got < 0:
+                raise EOFError
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+        self._have = 0
+        number, status, publishes, leases = ANSWER.unpack_from(buf)
+        raw = buf.raw
+        at = ANSWER.size + publishes
+        published = [b == PUBLISHED for b in raw[ANSWER.size : at]]
+        claimed: list[Claimed] = []
+        for _ in range(leases):
+            seg, gen, end, ready = LEASE_ROW.unpack_from(raw, at)
+            claimed.append((seg, gen, end, bool(ready)))
+            at += LEASE_ROW.size
+        return number, status, published, claimed
 
     def close(self) -> None:
         """Close both ends: under the lock (a request in flight finishes or gives up first,
@@ -212,14 +321,15 @@ class Served(Protocol):
 
 
 def serve(tier: Served, request_fd: int, answer_fd: int, busy: threading.Lock) -> None:
-    """The cleaner process's end: run each request on ``tier`` (a publish into its index,
-    a lease claimed for the writer) and answer it, until the writer's end closes. One
-    that fails is answered :data:`ERROR` (the writer does it itself and meets the error
-    there), logged once here. Each runs holding ``busy``: the process takes it before it
-    closes the tier, and keeps it."""
+    """The cleaner process's end: run each request on ``tier`` (its publishes into the
+    index, then its leases claimed for the writer) and answer it, until the writer's end
+    closes. A publish that fails makes the answer :data:`ERROR`, with nothing after it
+    run (the writer does it itself and meets the error there); a lease claim that fails
+    ends the leases answered. Each failure is logged once here. Each request runs holding
+    ``busy``: the process takes it before it closes the tier, and keeps it."""
     warned = False
     try:
-        _write_all(answer_fd, ANSWER.pack(0, PUBLISHED, 0, 0, 0, 0))  # serving: number 0
+        _write_all(answer_fd, ANSWER.pack(0, DONE, 0, 0))  # serving: number 0
     except OSError:
         return
     while True:
@@ -227,41 +337,67 @@ def serve(tier: Served, request_fd: int, answer_fd: int, busy: threading.Lock) -
             head = _read_exactly(request_fd, REQUEST.size)
             if len(head) < REQUEST.size:
                 return  # the writer is gone
-            number, kind, seg, gen, owner, start, end, release, n = REQUEST.unpack(head)
-            body = _read_exactly(request_fd, n * RECORD)
+            number, owner, need, wanted, publishes = REQUEST.unpack(head)
+            fragments = []
+            for _ in range(publishes):
+                frag = _read_exactly(request_fd, FRAGMENT.size)
+                if len(frag) < FRAGMENT.size:
+                    return
+                seg, gen, start, end, release, n = FRAGMENT.unpack(frag)
+                body = _read_exactly(request_fd, n * RECORD)
+                if len(body) < n * RECORD:
+                    return
+                cuts = range(0, n * RECORD, RECORD)
+                locs = [(body[i : i + DIGEST], body[i + DIGEST : i + RECORD]) for i in cuts]
+                fragments.append((seg, gen, start, end, bool(release), locs))
         except OSError:
             return
-        if len(body) < n * RECORD:
-            return
-        got: tuple[int, int, int, bool] | None = None
+        status, published, claimed = DONE, bytearray(), []
+        with busy:
+            try:
+                for seg, gen, start, end, release, locs in fragments:
+                    ok = tier.index.publish(seg, gen, owner, locs, start, end, release)
+                    published.append(PUBLISHED if ok else LOST)
+            except StoreError as exc:
+                status, published = ERROR, bytearray()
+                warned = warned or _warn(owner, exc)
+            try:
+                while status == DONE and len(claimed) < wanted:
+                    got = tier.claim_for(need, owner)
+                    if got is None:
+                        status = DRY
+                        break
+                    claimed.append(got)
+            except StoreError as exc:
+                warned = warned or _warn(owner, exc)
+        answer = [ANSWER.pack(number, status, len(published), len(claimed)), bytes(published)]
+        answer += [LEASE_ROW.pack(*c) for c in claimed]
         try:
-            with busy:
-                if kind == LEASE:
-                    got = tier.claim_for(end, owner)
-                    status = LOST if got is None else PUBLISHED
-                else:
-                    cuts = range(0, n * RECORD, RECORD)
-                    locs = [(body[i : i + DIGEST], body[i + DIGEST : i + RECORD]) for i in cuts]
-                    ok = tier.index.publish(seg, gen, owner, locs, start, end, bool(release))
-                    status = PUBLISHED if ok else LOST
-        except StoreError as exc:
-            if not warned:
-                log.warning("request for process %d failed here: %s", owner, exc)
-                warned = True
-            status = ERROR
-        try:
-            _write_all(answer_fd, ANSWER.pack(number, status, *(got or (0, 0, 0, False))))
+            _write_all(answer_fd, b"".join(answer))
         except OSError:
             return  # the writer is gone
+
+
+def _warn(owner: int, exc: StoreError) -> bool:
+    log.warning("request for process %d failed here: %s", owner, exc)
+    return True
 
 
 __all__ = [
     "ANSWER",
     "ANSWER_TIMEOUT_S",
+    "DONE",
+    "DRY",
     "ERROR",
+    "FRAGMENT",
+    "LEASE_ROW",
     "LOST",
+    "MOST",
     "PUBLISHED",
     "REQUEST",
+    "Answer",
+    "Claimed",
+    "Fragment",
     "PublishClient",
     "beside_forward",
     "is_beside_forward",

@@ -51,6 +51,7 @@ from typing import Any, Protocol
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
+from ucm_patch.hooks.stores.nowait_io import write_nowait
 from ucm_patch.hooks.stores.publish_channel import PublishClient
 
 log = logging.getLogger(__name__)
@@ -215,10 +216,12 @@ class WakePipe:
         self._lock = threading.Lock()
 
     def wake(self) -> None:
+        # written with the GIL kept (.nowait_io): beside vLLM's forward, the GIL given up
+        # for os.write's system call cost a dump thread a wait of up to the switch interval
         with self._lock:
             if self._write_fd >= 0:
                 with contextlib.suppress(OSError):  # full: a wake is pending; or no reader
-                    os.write(self._write_fd, b"\0")
+                    write_nowait(self._write_fd, b"\0")
 
     def close_read_end(self) -> None:
         if self.read_fd >= 0:

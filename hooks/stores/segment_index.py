@@ -505,7 +505,9 @@ class SegmentIndex:
             keys = txn.cursor(db=self._keys)
             if keys.putmulti(locs, overwrite=False)[1] < len(locs):
                 self._replace_stale(txn, keys, locs)
-            txn.put(_HELD_KEY.pack(seg, start), b"".join([d for d, _loc in locs]), db=self._held)
+            if locs:  # a batch of none: only the release
+                txn.put(_HELD_KEY.pack(seg, start), b"".join([d for d, _loc in locs]),
+                        db=self._held)  # fmt: skip
             txn.put(key, SEG.pack(gen, max(end, row.end), 0 if release else owner), db=self._segs)
         return True
 

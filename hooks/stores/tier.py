@@ -41,6 +41,7 @@ from ucm_patch.hooks.stores.ownership import ForeignFile, check_entries, open_di
 from ucm_patch.hooks.stores.segment_cleaner import SegmentCleaner, reserve_for
 from ucm_patch.hooks.stores.segment_files import FileSegments, MappedSegments, segment_name
 from ucm_patch.hooks.stores.segment_index import SegmentIndex
+from ucm_patch.hooks.stores.tier_beside_writes import TierBesideWrites
 from ucm_patch.hooks.stores.tier_emptying import TierEmptying
 from ucm_patch.hooks.stores.tier_leases import Lease, TierLeases
 from ucm_patch.hooks.stores.tier_reads import TierReads
@@ -53,7 +54,6 @@ from ucm_patch.hooks.stores.tier_records import (
     record_bytes,
     segment_for,
 )
-from ucm_patch.hooks.stores.tier_writes import TierWrites
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def _call(fn: Callable[[], None]) -> None:
     fn()
 
 
-class Tier(TierWrites, TierReads, TierLeases, TierEmptying):
+class Tier(TierBesideWrites, TierReads, TierLeases, TierEmptying):
     """A directory of segments with one capacity shared by every process on the host."""
 
     def __init__(

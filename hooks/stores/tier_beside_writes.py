@@ -1,0 +1,254 @@
+"""A spilling tier's put from a thread beside a forward (:class:`TierBesideWrites`, a
+part of :class:`~.tier.Tier`): the whole put in one native copy and one request to the
+tier's cleaner process, however many segments it spans.
+
+Why: beside vLLM's forward, a thread that keeps the GIL, every time a dump thread gives
+the GIL up for something that takes a while (a copy of megabytes, a wait for another
+process's answer) it waits up to the switch interval to get it back. The put path of
+:class:`~.tier_writes.TierWrites` does, per segment a put spans, a copy, a publish and,
+for the next segment, a lease: about five such waits for a put of a segment and a bit.
+Here the put's leases come first (those the process keeps, else one request for all it
+needs), its values are copied and framed into every segment in one native call, and its
+publishes (each full segment given back in its own) go in one request, which also asks
+for the lease the next put will start with once this one filled a segment. A put then
+waits twice: its copy and its publish.
+
+Anything the channel cannot do (no cleaner process serving, an answer given up on, no
+native helper) is left to :meth:`TierWrites.put`, which does it the usual way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from ucm_patch.hooks.stores.base import StoreError
+from ucm_patch.hooks.stores.framing import HEADER_SIZE, copy_framed_many
+from ucm_patch.hooks.stores.publish_channel import (
+    MOST,
+    Fragment,
+    PublishClient,
+    is_beside_forward,
+)
+from ucm_patch.hooks.stores.segment_index import LOC
+from ucm_patch.hooks.stores.tier_leases import Lease
+from ucm_patch.hooks.stores.tier_records import FRAME_AT, RECORD_HEADER, Record, record_bytes
+from ucm_patch.hooks.stores.tier_writes import TierWrites
+
+_PAD = bytes(FRAME_AT - 16)
+
+
+class _Part:
+    """The records of a put that go into one lease: ``first`` to ``stop`` of the put's
+    pending ones, from the lease's end to ``end``; ``full``: no room is left for a record
+    like the next (or the last), so the publish gives the segment back."""
+
+    __slots__ = ("end", "first", "full", "lease", "stop")
+
+    def __init__(self, lease: Lease, first: int, stop: int, end: int, full: bool) -> None:
+        self.lease, self.first, self.stop, self.end, self.full = lease, first, stop, end, full
+
+
+def _plan(leases: Sequence[Lease], sizes: Sequence[int], room: int) -> list[_Part]:
+    """The records of ``sizes`` (record bytes, in order) placed into ``leases`` in turn:
+    each lease takes records while they fit, in the order given."""
+    parts: list[_Part] = []
+    i, n = 0, len(sizes)
+    for lease in leases:
+        end, first = lease.end, i
+        while i < n and end + sizes[i] <= room:
+            end += sizes[i]
+            i += 1
+        nxt = sizes[i] if i < n else sizes[-1]
+        parts.append(_Part(lease, first, i, end, end + nxt > room))
+    return parts
+
+
+def _segments_for(sizes: Sequence[int], room: int) -> int:
+    """How many empty segments the records of ``sizes`` fill, in order."""
+    count, end = 0, room
+    for size in sizes:
+        if end + size > room:
+            count, end = count + 1, 0
+        end += size
+    return count
+
+
+class TierBesideWrites(TierWrites):
+    """:meth:`put` for threads beside a forward (:func:`.publish_channel.is_beside_forward`)
+    into a tier that spills; every other put is :meth:`TierWrites.put`'s."""
+
+    def put(
+        self, records: Sequence[Record], framed: bool = False, evict: bool = True
+    ) -> list[bool]:
+        publisher = None
+        if self.spill is not None and not framed and self.secret is None and is_beside_forward():
+            publisher = self.cleaner.publisher
+        if publisher is None or publisher.broken or not records:
+            return super().put(records, framed, evict)
+        limit = self.segment_bytes - RECORD_HEADER
+        out = [len(p) <= limit for _d, _h, p in records]
+        pending = [i for i, fits in enumerate(out) if fits]
+        if pending:
+            rest = self._put_beside(publisher, records, pending, out)
+            if rest:
+                for i, ok in zip(rest, super().put([records[i] for i in rest]), strict=True):
+                    out[i] = ok
+        return out
+
+    def _put_beside(
+        self, publisher: PublishClient, records: Sequence[Record], pending: list[int],
+        out: list[bool],
+    ) -> list[int]:  # fmt: skip
+        """Put ``records[pending]`` through one copy and one request (:mod:`this module
+        <.tier_beside_writes>`), marking ``out`` False for those skipped (the reserve ran
+        dry): the ones left to :meth:`TierWrites.put` (the channel could not answer)."""
+        me, room = os.getpid(), self.segment_bytes
+        sizes = [record_bytes(len(records[i][2])) for i in pending]
+        leases: list[Lease] = []
+        parts: list[_Part] = []
+        placed = 0
+        while placed < len(sizes):
+            lease = self._take_kept()
+            if lease is None:
+                break
+            leases.append(lease)
+            parts = _plan(leases, sizes, room)
+            placed = parts[-1].stop
+        left: list[int] = []
+        skipped: list[int] = []
+        for _round in range(4):  # a lease with some room takes only some: ask again
+            if placed == len(sizes):
+                break
+            if self._still_dry():
+                skipped = pending[placed:]
+                break
+            want = min(_segments_for(sizes[placed:], room), MOST)
+            answer = publisher.request(me, need=sizes[placed], leases=want)
+            if answer is None:
+                break
+            for seg, gen, end, ready in answer.leases:
+                leases.append(self._leased(seg, gen, end, ready=ready))
+            parts = _plan(leases, sizes, room)
+            placed = parts[-1].stop if parts else 0
+            if placed < len(sizes) and answer.dry:
+                self._reserve_dry()
+                skipped = pending[placed:]
+                break
+            if not answer.leases:  # a claim failed there (logged): the usual way
+                break
+        if placed < len(sizes) and not skipped:
+            left = pending[placed:]
+        for i in skipped:
+            out[i] = False
+        if not placed:
+            for lease in leases:
+                self._keep(lease, sizes[0])
+            return left
+        self._write_parts(records, pending, parts)
+        self._publish_parts(publisher, records, pending, parts, sizes[-1])
+        return left
+
+    def _still_dry(self) -> bool:
+        """The reserve was found dry a moment ago and nothing was spilled since
+        (:meth:`~.tier_leases.TierLeases._new_lease`'s first look): counted as dry."""
+        dry = self._dry
+        if dry is not None:
+            if self._shared[0] + self._shared[1] == dry[0] and time.monotonic() < dry[1]:
+                self._dry_again()
+                return True
+            self._dry = None
+        return False
+
+    def _write_parts(self, records: Sequence[Record], pending: list[int], parts: list[_Part]
+                     ) -> None:  # fmt: skip
+        """Copy and frame every placed record into its lease's segment: one native call
+        for all of them, else part by part the usual way (:meth:`TierWrites._write`)."""
+        self.files.new_batch()
+        try:
+            copies: list[tuple[bytes, memoryview, memoryview | bytes]] = []
+            heads: list[tuple[memoryview, int, bytes]] = []  # segment, record start, digest
+            for part in parts:
+                if part.stop == part.first:
+                    continue
+                view = self.files.mapping(part.lease.seg, part.end, write=True)
+                assert view is not None  # a spilling tier is mapped
+                off = part.lease.end
+                for i in pending[part.first : part.stop]:
+                    digest, key, payload = records[i]
+                    at = off + RECORD_HEADER
+                    heads.append((view, off, digest))
+                    copies.append((key, view[at : at + len(payload)], payload))
+                    off = (at + len(payload) + 63) & ~63
+            headers = copy_framed_many(copies, self.secret)
+            if headers is None:  # no native helper: part by part
+                for part in parts:
+                    if part.stop > part.first:
+                        batch = [records[i] for i in pending[part.first : part.stop]]
+                        self._write(part.lease, batch, part.end, False)
+                return
+            for (view, start, digest), header in zip(heads, headers, strict=True):
+                view[start : start + RECORD_HEADER] = digest + _PAD + header
+        except BaseException as exc:
+            for part in parts:
+                self._seal_quietly(part.lease)
+            if isinstance(exc, OSError):
+                raise StoreError(f"{self.name} tier: cannot write: {exc}") from exc
+            raise
+
+    def _publish_parts(
+        self, publisher: PublishClient, records: Sequence[Record], pending: list[int],
+        parts: list[_Part], last: int,
+    ) -> None:  # fmt: skip
+        """Publish every part (a full one given back in its publish) in one request, which
+        also asks for the lease the next put starts with once a segment was filled and
+        the process keeps none; the writer publishes itself when the channel cannot. A
+        lease that took nothing is kept as it was."""
+        me, pack = os.getpid(), LOC.pack
+        sent: list[tuple[_Part, Fragment]] = []
+        for part in parts:
+            seg, gen, end = part.lease.seg, part.lease.gen, part.lease.end
+            if part.stop == part.first and not part.full:
+                self._keep(part.lease, last)
+                continue
+            locs = []
+            for i in pending[part.first : part.stop]:
+                digest, _key, payload = records[i]
+                locs.append((digest, pack(seg, gen, end, HEADER_SIZE + len(payload))))
+                end = (end + RECORD_HEADER + len(payload) + 63) & ~63
+            sent.append((part, (seg, gen, part.lease.end, part.end, part.full, locs)))
+        spare = 1 if any(p.full for p in parts) and not self.holds_kept_lease() else 0
+        answer = publisher.request(me, [f for _p, f in sent], need=last, leases=spare)
+        published: list[bool | None] = [None] * len(sent)
+        if answer is not None:
+            published = list(answer.published)
+        lost = []
+        for at, ((part, (seg, gen, start, end, release, locs)), done) in enumerate(
+            zip(sent, published, strict=True)
+        ):
+            if done is None:  # the channel could not: here, as TierWrites._publish does
+                try:
+                    done = self.index.publish(seg, gen, me, locs, start, end, release=release)
+                    done = done or None not in self.index.lookup([d for d, _loc in locs])
+                except BaseException:
+                    for later, _fragment in sent[at:]:
+                        self._seal_quietly(later.lease)
+                    raise
+            if not done:
+                lost.append(seg)
+                self._seal_quietly(part.lease)
+                continue
+            part.lease.end = part.end
+            self.touch(seg)
+            if part.full:
+                self._sealed(part.lease)
+            else:
+                self._keep(part.lease, last)
+        for seg, gen, end, ready in answer.leases if answer is not None else ():
+            self._keep(self._leased(seg, gen, end, ready=ready), last)
+        if lost:
+            raise StoreError(f"{self.name} tier: lost segment {lost[0]} mid-write")
+
+
+__all__ = ["TierBesideWrites"]

@@ -1,0 +1,185 @@
+"""A spilling tier's put from a thread beside the forward (hooks/stores/tier_beside_writes.py):
+however many segments a put spans, one native copy and one request for its publishes
+(plus one for its leases when the process keeps none), nothing of the index done in the
+writer's process, every value readable; a dry reserve skips, never waits; without the
+native helper the same put is copied part by part."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from xxhash import xxh3_128_digest
+
+from ucm_patch.hooks.stores import rowcopy, tier_beside_writes
+from ucm_patch.hooks.stores.framing import key_bytes
+from ucm_patch.hooks.stores.local import LocalStore
+from ucm_patch.hooks.stores.publish_channel import PublishClient, beside_forward
+from ucm_patch.hooks.stores.segment_index import SegmentIndex
+from ucm_patch.hooks.stores.tier import Tier, record_bytes
+
+SEG = 64 << 10
+VALUE = 8 << 10
+
+
+def _value(key: str) -> bytes:
+    return hashlib.blake2b(key.encode()).digest() * (VALUE // 64)
+
+
+def _records(keys: Sequence[str]) -> list[tuple[bytes, bytes, memoryview]]:
+    return [(xxh3_128_digest(key_bytes(k)), key_bytes(k), memoryview(_value(k))) for k in keys]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[LocalStore]:
+    s = LocalStore(
+        tmp_path / "kv", capacity_bytes=64 * SEG, memory_bytes=16 * SEG,
+        memory_path=tmp_path / "shm", segment_bytes=SEG,
+    )  # fmt: skip
+    yield s
+    s.close()
+
+
+def _serving(s: LocalStore) -> tuple[Tier, PublishClient]:
+    """The memory tier, its cleaner process started and serving (a put from this thread,
+    which is not beside a forward, starts it and leaves a lease kept)."""
+    memory = s.memory
+    assert memory is not None
+    assert all(s.put_many([("start", _value("start"))]))
+    deadline = time.monotonic() + 30
+    while True:
+        client = memory.cleaner.publisher
+        if client is not None:
+            if client._owed is None:
+                return memory, client
+            with client._lock:
+                client._answered(0.05)
+        assert time.monotonic() < deadline, "the cleaner process never served"
+        time.sleep(0.01)
+
+
+def _beside(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a thread marked as one beside a forward (a dump worker)."""
+    out: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        beside_forward()
+        try:
+            out.append(fn())
+        except BaseException as exc:  # re-raised on the test's thread
+            failed.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
+    return out[0]
+
+
+def _in_process_index_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Index calls made by threads of this process beside a forward."""
+    calls: list[str] = []
+    for name in ("publish", "claim", "segments", "release"):
+        real = getattr(SegmentIndex, name)
+
+        def counted(self: SegmentIndex, *a: object, _real=real, _name=name, **k: object):
+            if threading.current_thread() is not threading.main_thread():
+                calls.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(SegmentIndex, name, counted)
+    return calls
+
+
+def _copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The values of each native copy call of the beside-forward path."""
+    calls: list[int] = []
+    real = tier_beside_writes.copy_framed_many
+
+    def counted(entries: Sequence[Any], secret: bytes | None = None) -> Any:
+        calls.append(len(entries))
+        return real(entries, secret)
+
+    monkeypatch.setattr(tier_beside_writes, "copy_framed_many", counted)
+    return calls
+
+
+def test_a_put_spanning_segments_is_one_copy_and_two_requests(
+    store: LocalStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    memory, client = _serving(store)
+    index_calls = _in_process_index_calls(monkeypatch)
+    copies = _copies(monkeypatch)
+    per_segment = SEG // record_bytes(VALUE)  # from the record layout
+    keys = [f"k{i}" for i in range(2 * per_segment + per_segment // 2)]
+    sent = client.sent
+    assert all(_beside(lambda: store.put_many([(k, _value(k)) for k in keys])))
+    assert copies == [len(keys)]  # every value in one native call
+    # the lease kept from "start" had room for a segment less one value: one request for
+    # the two more segments this put needs, and one for its three publishes
+    assert client.sent - sent == 2
+    assert index_calls == []
+    assert store.get_many(keys) == [_value(k) for k in keys]
+    rows = memory.index.segments()
+    mine = sorted(seg for seg, row in rows.items() if row.owner == os.getpid())
+    # the two segments filled were given back in their publishes; the last one is kept,
+    # with a spare asked for in the same request (the process kept none)
+    full = [seg for seg, row in rows.items() if row.end + record_bytes(VALUE) > SEG]
+    assert len(full) == 2 and not set(full) & set(mine)
+    assert len(mine) == 2 and memory.holds_kept_lease()
+    # the next puts start in the kept leases: one request each, however they fall
+    sent = client.sent
+    more = [f"m{i}" for i in range(per_segment)]
+    for i in range(0, len(more), 4):
+        chunk = more[i : i + 4]
+        assert all(_beside(lambda c=chunk: store.put_many([(k, _value(k)) for k in c])))
+    assert client.sent - sent == -(-len(more) // 4)
+    assert index_calls == []
+    assert store.get_many(more) == [_value(k) for k in more]
+
+
+def test_a_dry_reserve_skips_the_values_with_no_room(
+    store: LocalStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every segment the put could take is leased by another live process: the values
+    that fit the kept lease are stored, the rest answer False at once, counted."""
+    memory, _client = _serving(store)
+    other = os.getppid()  # alive for the test's whole run
+    rows = memory.index.segments()
+    for seg in range(memory.count):
+        row = rows.get(seg)
+        if row is None or row.owner == 0:
+            assert memory.index.claim(seg, row, other, empty=row is None) is not None
+    room = SEG - next(row.end for row in memory.index.segments().values()
+                      if row.owner == os.getpid())  # fmt: skip
+    fits = room // record_bytes(VALUE)
+    keys = [f"d{i}" for i in range(fits + 3)]
+    dry = memory.reserve_dry
+    t = time.perf_counter()
+    got = _beside(lambda: memory.put(_records(keys)))
+    assert time.perf_counter() - t < 1.0  # no wait for a spill or a cleaner
+    assert got == [True] * fits + [False] * 3
+    assert memory.reserve_dry > dry
+    assert store.get_many(keys[:fits]) == [_value(k) for k in keys[:fits]]
+
+
+def test_without_the_native_helper_the_put_is_copied_part_by_part(
+    store: LocalStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _memory, client = _serving(store)
+    monkeypatch.setattr(rowcopy, "_helper", None)
+    monkeypatch.setattr(rowcopy, "_tried", True)  # as on a host with no C compiler
+    per_segment = SEG // record_bytes(VALUE)
+    keys = [f"p{i}" for i in range(2 * per_segment)]
+    sent = client.sent
+    assert all(_beside(lambda: store.put_many([(k, _value(k)) for k in keys])))
+    assert client.sent - sent == 2  # still one request for the leases, one to publish
+    assert store.get_many(keys) == [_value(k) for k in keys]
