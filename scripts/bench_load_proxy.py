@@ -125,6 +125,22 @@ class _Spinner:
         self._thread.join()
 
 
+class _Hog:
+    """A process running Python in a loop: it takes a core as the forward's thread does,
+    but none of this process's GIL. Beside it, a dump runs as fast as the host's cores
+    let it with one of them taken: the ceiling of the "beside a Python thread" figure on
+    this host (on 2 cores, the dump threads and the forward share them)."""
+
+    def __enter__(self) -> _Hog:
+        self._proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.2)  # running
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._proc.kill()
+        self._proc.wait()
+
+
 def _used_since(before: Any) -> tuple[float, int]:
     """The calling thread's CPU seconds and voluntary context switches since ``before``
     (its ``getrusage(RUSAGE_THREAD)``)."""
@@ -308,13 +324,15 @@ def _dump_all(sched: Any, client: Any, store: Any, rows: list[list[str]],
 def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -> dict[str, Any]:
     """The dump process: a fresh process dumps ``values`` values in rows through the dump
     scheduler, as the connector does, into a store with room for every pass (the first
-    dump, ``repeat`` steady ones, two beside a Python thread), fresh keys each pass (a
+    dump, ``repeat`` steady ones, two beside a Python thread, two beside a process that
+    takes a core: :class:`_Hog`), fresh keys each pass (a
     store in use takes new values into segments it already has)."""
     from ucm_patch.hooks.device import CpuDevice
     from ucm_patch.hooks.dump.scheduler import DumpScheduler
 
-    passes = 1 + repeat + 2
+    passes = 1 + repeat + 2 + 2
     store = _store(path, passes * values * value_bytes, value_bytes)
+    store.prepare_writes()  # as the connector's worker does at start
     if store.memory is not None:
         store.memory.wait_warm()  # the connector's store opens at start, before any dump
     keys = _keys(values)
@@ -332,6 +350,10 @@ def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -
         with _Spinner() as forward:
             out["beside_python"] = [
                 _dump_all(sched, client, store, rows, data, f"beside{i}", forward) for i in range(2)
+            ]
+        with _Hog():
+            out["beside_hog"] = [
+                _dump_all(sched, client, store, rows, data, f"hog{i}") for i in range(2)
             ]
     finally:
         sched.shutdown()
@@ -355,7 +377,17 @@ def summarize(d: dict[str, Any]) -> dict[str, float]:
         "wall_vs_floor": alone / d["floor_s"],
         "first_vs_steady": d["first"]["wall_s"] / alone,
         "gil_waits_per_value": waits / d["values"],
+        **_ceiling(d, alone, beside),
     }
+
+
+def _ceiling(d: dict[str, Any], alone: float, beside: float) -> dict[str, float]:
+    """Beside a process that takes a core and no GIL of ours (dumps only): that share,
+    the ceiling the host's cores set, and the Python thread's share of it."""
+    if "beside_hog" not in d:
+        return {}
+    hog = statistics.median(r["wall_s"] for r in d["beside_hog"])
+    return {"beside_hog_share": alone / hog, "beside_python_vs_hog": hog / beside}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,13 @@ def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, st
             ("dump proxy, GIL waits per value beside a Python thread", "(information)",
              f"{u['gil_waits_per_value']:.2f}", "(information)"),
         ]  # fmt: skip
+        if "beside_hog_share" in u:  # the ceiling the host's cores set on the first row
+            rows.append(
+                ("dump proxy, beside a process taking a core (no GIL of ours) vs alone; the "
+                 "Python thread's figure against it", "(information)",
+                 f"{u['beside_hog_share']:.1%}; {u['beside_python_vs_hog']:.1%}",
+                 "(information)")
+            )  # fmt: skip
     old = d.get("per_value", {}).get("summary")
     if old:  # the same loads without the row helper (a host with no C compiler)
         rows.append(

@@ -381,6 +381,33 @@ def test_rows_queued_behind_a_busy_worker_are_put_together(make_sched) -> None:
     assert sched.internal_sizes() == ZERO_SIZES
 
 
+def test_a_worker_takes_every_row_queued_while_the_others_are_busy(make_sched) -> None:
+    """The share a worker takes is of the workers free now: with the other worker busy
+    (its put held), the rows queued meanwhile go in one put, not half of them with the
+    rest in a second put behind it."""
+    held_a, held_b, rows = FakeStore(), FakeStore(), FakeStore()
+    sched = make_sched(workers=2)
+    held_a.hold()
+    held_b.hold()
+    a = sched.open_batch(["a"], held_a)
+    b = sched.open_batch(["b"], held_b)
+    sched.submit_layer(a, "l0", None, 0, ["a0"], host(1))
+    assert held_a.wait_busy(1)
+    sched.submit_layer(b, "l0", None, 0, ["b0"], host(1))
+    assert held_b.wait_busy(1)  # both workers at work
+    batch = sched.open_batch(["r"], rows)
+    keys = [f"k{i}" for i in range(6)]
+    for i, key in enumerate(keys):
+        sched.submit_layer(batch, f"l{i}", None, i, [key], host(1))
+    held_b.release()  # one worker free, the other still busy: it takes all six
+    assert wait_until(lambda: len(rows.data) == len(keys))
+    held_a.release()
+    for batch_ in (a, b, batch):
+        sched.seal(batch_)
+    assert wait_until(lambda: settled(sched))
+    assert rows.put_log == [tuple(keys)]
+
+
 def test_payload_callable_runs_after_the_event(make_sched) -> None:
     store = FakeStore()
     sched = make_sched(workers=1)

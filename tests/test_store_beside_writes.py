@@ -20,7 +20,7 @@ from xxhash import xxh3_128_digest
 from ucm_patch.hooks.stores import rowcopy, tier_beside_writes
 from ucm_patch.hooks.stores.framing import key_bytes
 from ucm_patch.hooks.stores.local import LocalStore
-from ucm_patch.hooks.stores.publish_channel import PublishClient, beside_forward
+from ucm_patch.hooks.stores.publish_channel import PublishChannels, beside_forward
 from ucm_patch.hooks.stores.segment_index import SegmentIndex
 from ucm_patch.hooks.stores.tier import Tier, record_bytes
 
@@ -46,20 +46,21 @@ def store(tmp_path: Path) -> Iterator[LocalStore]:
     s.close()
 
 
-def _serving(s: LocalStore) -> tuple[Tier, PublishClient]:
-    """The memory tier, its cleaner process started and serving (a put from this thread,
-    which is not beside a forward, starts it and leaves a lease kept)."""
+def _serving(s: LocalStore) -> tuple[Tier, PublishChannels]:
+    """The memory tier, its cleaner process started and serving every channel (a put from
+    this thread, which is not beside a forward, starts it and leaves a lease kept)."""
     memory = s.memory
     assert memory is not None
     assert all(s.put_many([("start", _value("start"))]))
     deadline = time.monotonic() + 30
     while True:
-        client = memory.cleaner.publisher
-        if client is not None:
-            if client._owed is None:
-                return memory, client
-            with client._lock:
-                client._answered(0.05)
+        channels = memory.cleaner.publishers
+        if channels is not None:
+            for client in channels.clients:
+                with client._lock:
+                    client._catch_up()
+            if all(client._owed is None for client in channels.clients):
+                return memory, channels
         assert time.monotonic() < deadline, "the cleaner process never served"
         time.sleep(0.01)
 
@@ -131,10 +132,14 @@ def test_a_put_spanning_segments_is_one_copy_and_two_requests(
     rows = memory.index.segments()
     mine = sorted(seg for seg, row in rows.items() if row.owner == os.getpid())
     # the two segments filled were given back in their publishes; the last one is kept,
-    # with a spare asked for in the same request (the process kept none)
+    # with room for a put like this one asked for in the same request (at most
+    # SPARE_SEGMENTS segments)
     full = [seg for seg, row in rows.items() if row.end + record_bytes(VALUE) > SEG]
     assert len(full) == 2 and not set(full) & set(mine)
-    assert len(mine) == 2 and memory.holds_kept_lease()
+    wrote = len(keys) * record_bytes(VALUE)
+    last_room = SEG - rows[max(mine, key=lambda seg: rows[seg].end)].end
+    spare = min(tier_beside_writes.SPARE_SEGMENTS, -(-(wrote - last_room) // SEG))
+    assert len(mine) == 1 + spare and memory.holds_kept_lease()
     # the next puts start in the kept leases: one request each, however they fall
     sent = client.sent
     more = [f"m{i}" for i in range(per_segment)]
@@ -183,3 +188,22 @@ def test_without_the_native_helper_the_put_is_copied_part_by_part(
     assert all(_beside(lambda: store.put_many([(k, _value(k)) for k in keys])))
     assert client.sent - sent == 2  # still one request for the leases, one to publish
     assert store.get_many(keys) == [_value(k) for k in keys]
+
+
+def test_prepare_writes_starts_the_channel_before_any_put(store: LocalStore) -> None:
+    """A worker that dumps starts its store's cleaner process at start: its first dumps
+    find the channel serving, not a process still starting."""
+    memory = store.memory
+    assert memory is not None
+    assert memory.cleaner.publisher is None  # nothing put, nothing started
+    store.prepare_writes()
+    channels = memory.cleaner.publishers
+    assert channels is not None
+    deadline = time.monotonic() + 30
+    while any(client._owed is not None for client in channels.clients):  # serving
+        for client in channels.clients:
+            with client._lock:
+                client._catch_up()
+        assert time.monotonic() < deadline, "the cleaner process never served"
+        time.sleep(0.01)
+    assert store.stats["puts"] == 0

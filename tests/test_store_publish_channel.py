@@ -22,6 +22,8 @@ from ucm_patch.hooks.stores import publish_channel
 from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.local import LocalStore
 from ucm_patch.hooks.stores.publish_channel import (
+    CHANNELS,
+    PublishChannels,
     PublishClient,
     beside_forward,
     is_beside_forward,
@@ -316,18 +318,19 @@ def store(tmp_path: Path) -> Iterator[LocalStore]:
     s.close()
 
 
-def _serving(s: LocalStore) -> PublishClient:
-    """The memory tier's cleaner process started and serving its channel."""
+def _serving(s: LocalStore) -> PublishChannels:
+    """The memory tier's cleaner process started and serving every channel."""
     assert s.memory is not None
     assert all(s.put_many([("start", _value("start"))]))  # the cleaner starts
     deadline = time.monotonic() + 30
     while True:
-        client = s.memory.cleaner.publisher
-        if client is not None:
-            if client._owed is None:
-                return client
-            with client._lock:
-                client._answered(0.05)
+        channels = s.memory.cleaner.publishers
+        if channels is not None:
+            for client in channels.clients:
+                with client._lock:
+                    client._catch_up()
+            if all(client._owed is None for client in channels.clients):
+                return channels
         assert time.monotonic() < deadline, "the cleaner process never served"
         time.sleep(0.01)
 
@@ -485,3 +488,29 @@ def test_a_forked_child_closes_its_copy_while_a_request_is_in_flight(
         if chan.client._lock.locked():
             chan.client._lock.release()
         chan.close()
+
+
+def test_each_thread_beside_the_forward_has_a_channel_of_its_own(store: LocalStore) -> None:
+    """A dump thread never waits behind another's request: each takes a channel of its
+    own, served by a thread of its own in the cleaner process; past CHANNELS they share."""
+    channels = _serving(store)
+    assert store.memory is not None
+    got: list[PublishClient | None] = []
+
+    def take() -> None:
+        beside_forward()
+        client = store.memory.cleaner.publisher  # type: ignore[union-attr]
+        got.append(client)
+        assert client is store.memory.cleaner.publisher  # type: ignore[union-attr]
+        key = f"own{len(got)}"
+        assert store.put_many([(key, _value(key))]) == [True]
+
+    for _ in range(CHANNELS + 1):
+        t = threading.Thread(target=take)
+        t.start()
+        t.join()
+    firsts = got[:CHANNELS]
+    assert len({id(c) for c in firsts}) == CHANNELS  # one each
+    assert got[CHANNELS] in firsts  # then shared
+    assert all(c is not None and c.sent >= 1 for c in firsts)  # every one served
+    assert channels.sent >= CHANNELS + 1

@@ -79,9 +79,12 @@ class SchedulerWorkers:
             # The rows queued meanwhile, this worker's share of them, go with it: one put
             # for all (:meth:`_run_group`). A worker that waited for the GIL (beside
             # vLLM's forward, up to the switch interval per take) catches up with one
-            # round of store calls instead of one per row.
+            # round of store calls instead of one per row. The share is of the workers
+            # not at work now (a racy read is fine: it only sizes the group): split over
+            # all of them while one was busy, the rest came in a second put behind it.
             group = [task]
-            more = min(GROUP_MAX, -(-(len(dq) + 1) // workers)) - 1
+            free = max(1, workers - self._busy_workers)
+            more = min(GROUP_MAX, -(-(len(dq) + 1) // free)) - 1
             while more > 0:
                 try:
                     group.append(popleft())

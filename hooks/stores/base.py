@@ -195,5 +195,9 @@ class KVStore(ABC):
         """Withdraw a region :meth:`register_host_memory` accepted, before it is freed
         (no put from it may be in flight)."""
 
+    def prepare_writes(self) -> None:  # noqa: B027 - optional hook
+        """A process that will write starts what its writes use now, at start, not on its
+        first put (the default: nothing to start)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release connections / handles. Idempotent."""

@@ -185,11 +185,13 @@ def main(args: dict[str, Any]) -> None:
     waker = Waker(int(args.get("wake_fd", -1)))
     spills = SpillThread(memory, warn, waker.poke)
     busy = threading.Lock()  # held by a publish for the writer; taken for good at the end
-    fds = args.get("publish_fds")
-    if fds:  # the writer's dump threads publish and lease through here (.publish_channel)
+    # the writer's dump threads publish and lease through here (.publish_channel): a
+    # thread per channel, a channel per dump thread
+    for i, (request_fd, answer_fd) in enumerate(args.get("publish_fds") or ()):
         threading.Thread(
-            target=serve, args=(memory, *fds, busy), name="ucm-publish", daemon=True
-        ).start()
+            target=serve, args=(memory, request_fd, answer_fd, busy), name=f"ucm-publish-{i}",
+            daemon=True,
+        ).start()  # fmt: skip
     try:
         seen_disk, unfinished = b"", True
         reserve = 0 if disk.fsync else around_reserve(disk.count)

@@ -382,6 +382,16 @@ class LocalStore(LocalWrites, LocalReads):
         """Values in both tiers (a scan: for tests and tools, not hot paths)."""
         return sum(t.stats()[0] for t in self.tiers)
 
+    def prepare_writes(self) -> None:
+        """Start the memory tier's cleaner process now (it starts on the first put
+        otherwise): it refills the reserve and runs the index work of the dump threads
+        (:mod:`.publish_channel`), which do that work themselves until it serves, about a
+        second after it starts. A worker that dumps calls this at start, so that its
+        first dumps find it serving."""
+        self._check_open()
+        if self.memory is not None:
+            self.memory.cleaner.ensure_started()
+
     def close(self, spill_s: float | None = None) -> None:
         """Refuse further operations and release handles. Values stay: in the disk tier,
         and in the memory tier while another process uses it.

@@ -117,8 +117,8 @@ def _read_exactly(fd: int, n: int) -> bytes:
 
 
 class PublishClient:
-    """The writer's end: one request at a time per process (the index's writer lock
-    serializes publishes anyway), answered by number. The channel is used only while no
+    """The writer's end of one channel (:class:`PublishChannels`: one per thread that
+    uses them): one request at a time, answered by number. The channel is used only while no
     answer is owed: not before the process's first (number 0: it serves; a process
     starting imports and opens its tiers meanwhile, and the first dumps of a new process
     wait for nobody), nor after a request given up on (:data:`ANSWER_TIMEOUT_S`) until
@@ -312,6 +312,43 @@ class PublishClient:
         self._request_fd = self._answer_fd = -1
 
 
+#: Channels a writer process opens to its cleaner process, each served by a thread of its
+#: own there: a dump thread takes one for itself (the connector's dump threads, by
+#: default fewer than this), so that it never waits behind another thread's request, a
+#: wait that beside the forward also cost it a GIL take; threads past this many share.
+CHANNELS = 4
+
+
+class PublishChannels:
+    """A writer process's channels to its cleaner process: one :class:`PublishClient` per
+    thread that uses them (:meth:`for_thread`), first come first served, then shared."""
+
+    def __init__(self, fds: Sequence[tuple[int, int]]) -> None:
+        self.clients = [PublishClient(request_fd, answer_fd) for request_fd, answer_fd in fds]
+        self._mine = threading.local()
+        self._lock = threading.Lock()
+        self._given = 0
+
+    def for_thread(self) -> PublishClient:
+        """This thread's channel (the same for its life)."""
+        client = getattr(self._mine, "client", None)
+        if client is None:
+            with self._lock:
+                client = self.clients[self._given % len(self.clients)]
+                self._given += 1
+            self._mine.client = client
+        return client
+
+    @property
+    def sent(self) -> int:
+        """Requests answered, on every channel (tests, tools)."""
+        return sum(client.sent for client in self.clients)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
 class Served(Protocol):
     """What the cleaner process serves from: its memory tier."""
 
@@ -386,6 +423,7 @@ def _warn(owner: int, exc: StoreError) -> bool:
 __all__ = [
     "ANSWER",
     "ANSWER_TIMEOUT_S",
+    "CHANNELS",
     "DONE",
     "DRY",
     "ERROR",
@@ -398,6 +436,7 @@ __all__ = [
     "Answer",
     "Claimed",
     "Fragment",
+    "PublishChannels",
     "PublishClient",
     "beside_forward",
     "is_beside_forward",

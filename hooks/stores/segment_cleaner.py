@@ -52,7 +52,7 @@ from typing import Any, Protocol
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.nowait_io import write_nowait
-from ucm_patch.hooks.stores.publish_channel import PublishClient
+from ucm_patch.hooks.stores.publish_channel import CHANNELS, PublishChannels, PublishClient
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def _end(
     proc: subprocess.Popen[bytes],
     parent: int,
     pipe: WakePipe | None = None,
-    publisher: PublishClient | None = None,
+    publisher: PublishChannels | None = None,
 ) -> None:
     """Stop a cleaner process started by ``parent`` (not a forked child's to stop):
     SIGTERM (it finishes its segment), SIGKILL after STOP_S. Its wake pipe and publish
@@ -272,7 +272,7 @@ class SegmentCleaner:
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._pipe: WakePipe | None = None  # tells the process to look (wake)
-        self._publisher: PublishClient | None = None  # publishes for threads beside a forward
+        self._publisher: PublishChannels | None = None  # for threads beside a forward
         self._ender: weakref.finalize | None = None  # ends the process, closes the pipe
         self._spec: dict[str, Any] | None = None  # the two tiers, for the process
         self._below: weakref.ref[Any] | None = None  # the tier spilled into
@@ -297,11 +297,18 @@ class SegmentCleaner:
     @property
     def publisher(self) -> PublishClient | None:
         """The cleaner process's publish channel (:mod:`.publish_channel`), None when there
-        is none that works (no process, it ended, a forked child: its parent's)."""
-        client = self._publisher
-        if client is None or client.broken or self._pid != os.getpid():
+        is none that works (no process, it ended, a forked child: its parent's): this
+        thread's (:meth:`~.publish_channel.PublishChannels.for_thread`)."""
+        channels = self._publisher
+        if channels is None or self._pid != os.getpid():
             return None
-        return client
+        client = channels.for_thread()
+        return None if client.broken else client
+
+    @property
+    def publishers(self) -> PublishChannels | None:
+        """Every channel of the cleaner process (tests, tools)."""
+        return self._publisher if self._pid == os.getpid() else None
 
     def wake(self) -> None:
         """A ready segment was taken, or none was left: the reserve needs refilling. The
@@ -336,11 +343,15 @@ class SegmentCleaner:
     def _spawn(self, tier: Cleaned) -> subprocess.Popen[bytes] | None:
         pipe = WakePipe()
         wake_r = pipe.read_fd
-        request_r, request_w = os.pipe()
-        answer_r, answer_w = os.pipe()
-        publisher = PublishClient(request_w, answer_r)
+        ours, theirs = [], []  # per channel: (request, answer) ends
+        for _ in range(CHANNELS):
+            request_r, request_w = os.pipe()
+            answer_r, answer_w = os.pipe()
+            ours.append((request_w, answer_r))
+            theirs.append((request_r, answer_w))
+        publisher = PublishChannels(ours)
         args = {"parent": os.getpid(), "sys_path": sys.path, "wake_fd": wake_r,
-                "publish_fds": [request_r, answer_w]}  # fmt: skip
+                "publish_fds": theirs}  # fmt: skip
         args.update(self._spec or {})
         try:
             proc = subprocess.Popen(
@@ -348,7 +359,7 @@ class SegmentCleaner:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 close_fds=True,
-                pass_fds=(wake_r, request_r, answer_w),
+                pass_fds=(wake_r, *[fd for pair in theirs for fd in pair]),
             )
         except OSError as exc:
             pipe.close()
@@ -360,8 +371,9 @@ class SegmentCleaner:
             )  # fmt: skip
             return None
         finally:
-            os.close(request_r)  # the process's ends (or nobody's)
-            os.close(answer_w)
+            for pair in theirs:  # the process's ends (or nobody's)
+                for fd in pair:
+                    os.close(fd)
         pipe.close_read_end()  # the process's now
         if self._ender is not None:
             self._ender()  # the process that died: its pipes closed (once: a finalizer)

@@ -9,9 +9,10 @@ process's answer) it waits up to the switch interval to get it back. The put pat
 for the next segment, a lease: about five such waits for a put of a segment and a bit.
 Here the put's leases come first (those the process keeps, else one request for all it
 needs), its values are copied and framed into every segment in one native call, and its
-publishes (each full segment given back in its own) go in one request, which also asks
-for the lease the next put will start with once this one filled a segment. A put then
-waits twice: its copy and its publish.
+publishes (each full segment given back in its own) go in one request, which also asks,
+once this put filled a segment, for leases with room for a put like it (at most
+:data:`SPARE_SEGMENTS`), kept for the next. A put then waits twice: its copy and its
+publish.
 
 Anything the channel cannot do (no cleaner process serving, an answer given up on, no
 native helper) is left to :meth:`TierWrites.put`, which does it the usual way.
@@ -37,6 +38,10 @@ from ucm_patch.hooks.stores.tier_records import FRAME_AT, RECORD_HEADER, Record,
 from ucm_patch.hooks.stores.tier_writes import TierWrites
 
 _PAD = bytes(FRAME_AT - 16)
+#: Most segments a put asks to keep leased for the next one (room for a put like itself):
+#: a put that finds none kept pays a request for its leases, one more GIL take beside the
+#: forward; the segments kept are ones the reserve would hold ready anyway.
+SPARE_SEGMENTS = 2
 
 
 class _Part:
@@ -202,9 +207,9 @@ class TierBesideWrites(TierWrites):
         parts: list[_Part], last: int,
     ) -> None:  # fmt: skip
         """Publish every part (a full one given back in its publish) in one request, which
-        also asks for the lease the next put starts with once a segment was filled and
-        the process keeps none; the writer publishes itself when the channel cannot. A
-        lease that took nothing is kept as it was."""
+        also asks, once a segment was filled, for leases with room for a put like this
+        one (at most :data:`SPARE_SEGMENTS`), kept for the next; the writer publishes
+        itself when the channel cannot. A lease that took nothing is kept as it was."""
         me, pack = os.getpid(), LOC.pack
         sent: list[tuple[_Part, Fragment]] = []
         for part in parts:
@@ -218,7 +223,11 @@ class TierBesideWrites(TierWrites):
                 locs.append((digest, pack(seg, gen, end, HEADER_SIZE + len(payload))))
                 end = (end + RECORD_HEADER + len(payload) + 63) & ~63
             sent.append((part, (seg, gen, part.lease.end, part.end, part.full, locs)))
-        spare = 1 if any(p.full for p in parts) and not self.holds_kept_lease() else 0
+        spare = 0
+        if any(p.full for p in parts):  # room for a put like this one, kept ahead
+            wrote = sum([p.end - p.lease.end for p in parts])
+            room = 0 if parts[-1].full else self.segment_bytes - parts[-1].end
+            spare = min(SPARE_SEGMENTS, -(-(wrote - room) // self.segment_bytes))
         answer = publisher.request(me, [f for _p, f in sent], need=last, leases=spare)
         published: list[bool | None] = [None] * len(sent)
         if answer is not None:
@@ -251,4 +260,4 @@ class TierBesideWrites(TierWrites):
             raise StoreError(f"{self.name} tier: lost segment {lost[0]} mid-write")
 
 
-__all__ = ["TierBesideWrites"]
+__all__ = ["SPARE_SEGMENTS", "TierBesideWrites"]

@@ -161,6 +161,9 @@ class UCMPatchConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from ucm_patch.connector.worker_side import WorkerSide
 
+            if can_dump:  # its helpers (a local store's cleaner process) start now
+                self.store.prepare_writes()
+
             self._worker_side = WorkerSide(
                 self.layout,
                 self.config,
