@@ -6,7 +6,6 @@ native helper the same put is copied part by part."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 from xxhash import xxh3_128_digest
 
+from tests.support.serving_store import SEG, VALUE, open_store, serving, value, wait_serving
 from ucm_patch.hooks.stores import rowcopy, tier_beside_writes
 from ucm_patch.hooks.stores.framing import key_bytes
 from ucm_patch.hooks.stores.local import LocalStore
@@ -24,45 +24,24 @@ from ucm_patch.hooks.stores.publish_channel import PublishChannels, beside_forwa
 from ucm_patch.hooks.stores.segment_index import SegmentIndex
 from ucm_patch.hooks.stores.tier import Tier, record_bytes
 
-SEG = 64 << 10
-VALUE = 8 << 10
-
-
-def _value(key: str) -> bytes:
-    return hashlib.blake2b(key.encode()).digest() * (VALUE // 64)
-
 
 def _records(keys: Sequence[str]) -> list[tuple[bytes, bytes, memoryview]]:
-    return [(xxh3_128_digest(key_bytes(k)), key_bytes(k), memoryview(_value(k))) for k in keys]
+    return [(xxh3_128_digest(key_bytes(k)), key_bytes(k), memoryview(value(k))) for k in keys]
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[LocalStore]:
-    s = LocalStore(
-        tmp_path / "kv", capacity_bytes=64 * SEG, memory_bytes=16 * SEG,
-        memory_path=tmp_path / "shm", segment_bytes=SEG,
-    )  # fmt: skip
+    s = open_store(tmp_path)
     yield s
     s.close()
 
 
 def _serving(s: LocalStore) -> tuple[Tier, PublishChannels]:
-    """The memory tier, its cleaner process started and serving every channel (a put from
-    this thread, which is not beside a forward, starts it and leaves a lease kept)."""
-    memory = s.memory
-    assert memory is not None
-    assert all(s.put_many([("start", _value("start"))]))
-    deadline = time.monotonic() + 30
-    while True:
-        channels = memory.cleaner.publishers
-        if channels is not None:
-            for client in channels.clients:
-                with client._lock:
-                    client._catch_up()
-            if all(client._owed is None for client in channels.clients):
-                return memory, channels
-        assert time.monotonic() < deadline, "the cleaner process never served"
-        time.sleep(0.01)
+    """The memory tier, and its channels serving (a lease kept from the put that
+    started its cleaner)."""
+    channels = serving(s)
+    assert s.memory is not None
+    return s.memory, channels
 
 
 def _beside(fn: Callable[[], Any]) -> Any:
@@ -122,13 +101,13 @@ def test_a_put_spanning_segments_is_one_copy_and_two_requests(
     per_segment = SEG // record_bytes(VALUE)  # from the record layout
     keys = [f"k{i}" for i in range(2 * per_segment + per_segment // 2)]
     sent = client.sent
-    assert all(_beside(lambda: store.put_many([(k, _value(k)) for k in keys])))
+    assert all(_beside(lambda: store.put_many([(k, value(k)) for k in keys])))
     assert copies == [len(keys)]  # every value in one native call
     # the lease kept from "start" had room for a segment less one value: one request for
     # the two more segments this put needs, and one for its three publishes
     assert client.sent - sent == 2
     assert index_calls == []
-    assert store.get_many(keys) == [_value(k) for k in keys]
+    assert store.get_many(keys) == [value(k) for k in keys]
     rows = memory.index.segments()
     mine = sorted(seg for seg, row in rows.items() if row.owner == os.getpid())
     # the two segments filled were given back in their publishes; the last one is kept,
@@ -145,10 +124,10 @@ def test_a_put_spanning_segments_is_one_copy_and_two_requests(
     more = [f"m{i}" for i in range(per_segment)]
     for i in range(0, len(more), 4):
         chunk = more[i : i + 4]
-        assert all(_beside(lambda c=chunk: store.put_many([(k, _value(k)) for k in c])))
+        assert all(_beside(lambda c=chunk: store.put_many([(k, value(k)) for k in c])))
     assert client.sent - sent == -(-len(more) // 4)
     assert index_calls == []
-    assert store.get_many(more) == [_value(k) for k in more]
+    assert store.get_many(more) == [value(k) for k in more]
 
 
 def test_a_dry_reserve_skips_the_values_with_no_room(
@@ -173,7 +152,7 @@ def test_a_dry_reserve_skips_the_values_with_no_room(
     assert time.perf_counter() - t < 1.0  # no wait for a spill or a cleaner
     assert got == [True] * fits + [False] * 3
     assert memory.reserve_dry > dry
-    assert store.get_many(keys[:fits]) == [_value(k) for k in keys[:fits]]
+    assert store.get_many(keys[:fits]) == [value(k) for k in keys[:fits]]
 
 
 def test_without_the_native_helper_the_put_is_copied_part_by_part(
@@ -185,9 +164,9 @@ def test_without_the_native_helper_the_put_is_copied_part_by_part(
     per_segment = SEG // record_bytes(VALUE)
     keys = [f"p{i}" for i in range(2 * per_segment)]
     sent = client.sent
-    assert all(_beside(lambda: store.put_many([(k, _value(k)) for k in keys])))
+    assert all(_beside(lambda: store.put_many([(k, value(k)) for k in keys])))
     assert client.sent - sent == 2  # still one request for the leases, one to publish
-    assert store.get_many(keys) == [_value(k) for k in keys]
+    assert store.get_many(keys) == [value(k) for k in keys]
 
 
 def test_prepare_writes_starts_the_channel_before_any_put(store: LocalStore) -> None:
@@ -199,11 +178,5 @@ def test_prepare_writes_starts_the_channel_before_any_put(store: LocalStore) -> 
     store.prepare_writes()
     channels = memory.cleaner.publishers
     assert channels is not None
-    deadline = time.monotonic() + 30
-    while any(client._owed is not None for client in channels.clients):  # serving
-        for client in channels.clients:
-            with client._lock:
-                client._catch_up()
-        assert time.monotonic() < deadline, "the cleaner process never served"
-        time.sleep(0.01)
+    wait_serving(channels)
     assert store.stats["puts"] == 0

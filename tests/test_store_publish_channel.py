@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.serving_store import SEG, VALUE, open_store, serving, value
 from ucm_patch.hooks.device import CpuDevice
 from ucm_patch.hooks.dump.scheduler import DumpScheduler
 from ucm_patch.hooks.stores import publish_channel
@@ -23,7 +24,6 @@ from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.local import LocalStore
 from ucm_patch.hooks.stores.publish_channel import (
     CHANNELS,
-    PublishChannels,
     PublishClient,
     beside_forward,
     is_beside_forward,
@@ -31,9 +31,6 @@ from ucm_patch.hooks.stores.publish_channel import (
 )
 from ucm_patch.hooks.stores.segment_index import LOC, SegmentIndex
 from ucm_patch.hooks.stores.tier import record_bytes
-
-SEG = 64 << 10
-VALUE = 8 << 10
 
 
 def _digest(i: int) -> bytes:
@@ -304,35 +301,11 @@ def test_a_channel_whose_process_ended_is_broken(index: SegmentIndex) -> None:
 # -- a real two-tier store -------------------------------------------------------------------
 
 
-def _value(key: str) -> bytes:
-    return hashlib.blake2b(key.encode()).digest() * (VALUE // 64)
-
-
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[LocalStore]:
-    s = LocalStore(
-        tmp_path / "kv", capacity_bytes=64 * SEG, memory_bytes=16 * SEG,
-        memory_path=tmp_path / "shm", segment_bytes=SEG,
-    )  # fmt: skip
+    s = open_store(tmp_path)
     yield s
     s.close()
-
-
-def _serving(s: LocalStore) -> PublishChannels:
-    """The memory tier's cleaner process started and serving every channel."""
-    assert s.memory is not None
-    assert all(s.put_many([("start", _value("start"))]))  # the cleaner starts
-    deadline = time.monotonic() + 30
-    while True:
-        channels = s.memory.cleaner.publishers
-        if channels is not None:
-            for client in channels.clients:
-                with client._lock:
-                    client._catch_up()
-            if all(client._owed is None for client in channels.clients):
-                return channels
-        assert time.monotonic() < deadline, "the cleaner process never served"
-        time.sleep(0.01)
 
 
 def _in_process_publishes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -367,7 +340,7 @@ def _put_beside_forward(s: LocalStore, keys: Sequence[str]) -> list[bool]:
     def run() -> None:
         beside_forward()
         for k in keys:
-            out.extend(s.put_many([(k, _value(k))]))
+            out.extend(s.put_many([(k, value(k))]))
 
     t = threading.Thread(target=run)
     t.start()
@@ -378,7 +351,7 @@ def _put_beside_forward(s: LocalStore, keys: Sequence[str]) -> list[bool]:
 def test_a_thread_beside_the_forward_publishes_through_the_cleaner(
     store: LocalStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client = _serving(store)
+    client = serving(store)
     calls = _in_process_publishes(monkeypatch)
     index_calls = _in_process_calls(monkeypatch, ["claim", "segments", "release"])
     per_segment = SEG // record_bytes(VALUE)  # from the record layout
@@ -390,17 +363,17 @@ def test_a_thread_beside_the_forward_publishes_through_the_cleaner(
     # one request per put: its publish, and once it filled a segment, the next lease
     # in the same request (the process kept one from the put of "start")
     assert client.sent - sent == len(keys)
-    assert store.get_many(keys) == [_value(k) for k in keys]
+    assert store.get_many(keys) == [value(k) for k in keys]
     # a thread not beside a forward publishes itself (a round trip costs it more)
     sent = client.sent
-    assert all(store.put_many([("plain", _value("plain"))]))
+    assert all(store.put_many([("plain", value("plain"))]))
     assert len(calls) == 1 and client.sent == sent
 
 
 def test_nothing_is_lost_when_the_cleaner_is_killed(
     store: LocalStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _serving(store)
+    serving(store)
     assert store.memory is not None
     pid = store.memory.cleaner.pid
     assert pid is not None
@@ -411,7 +384,7 @@ def test_nothing_is_lost_when_the_cleaner_is_killed(
     assert all(_put_beside_forward(store, keys))
     assert time.perf_counter() - t < publish_channel.ANSWER_TIMEOUT_S  # nobody waited out
     assert calls  # published here
-    assert store.get_many(keys) == [_value(k) for k in keys]
+    assert store.get_many(keys) == [value(k) for k in keys]
 
 
 def test_the_dump_workers_run_beside_the_forward() -> None:
@@ -442,7 +415,7 @@ def test_answers_given_up_on_lose_nothing_and_fail_nothing(
     """Every answer given up on at once: the writer publishes itself while the cleaner
     may publish the same batch (and give its full segment back) before or after it. A
     publish the cleaner already ran is not a lost segment, and nothing is lost."""
-    _serving(store)
+    serving(store)
     monkeypatch.setattr(publish_channel, "ANSWER_TIMEOUT_S", 0.0)
     real = SegmentIndex.publish
 
@@ -454,7 +427,7 @@ def test_answers_given_up_on_lose_nothing_and_fail_nothing(
     per_segment = SEG // record_bytes(VALUE)
     keys = [f"race{i}" for i in range(4 * per_segment)]
     assert all(_put_beside_forward(store, keys))
-    assert store.get_many(keys) == [_value(k) for k in keys]
+    assert store.get_many(keys) == [value(k) for k in keys]
 
 
 def test_a_forked_child_closes_its_copy_while_a_request_is_in_flight(
@@ -493,7 +466,7 @@ def test_a_forked_child_closes_its_copy_while_a_request_is_in_flight(
 def test_each_thread_beside_the_forward_has_a_channel_of_its_own(store: LocalStore) -> None:
     """A dump thread never waits behind another's request: each takes a channel of its
     own, served by a thread of its own in the cleaner process; past CHANNELS they share."""
-    channels = _serving(store)
+    channels = serving(store)
     assert store.memory is not None
     got: list[PublishClient | None] = []
 
@@ -503,7 +476,7 @@ def test_each_thread_beside_the_forward_has_a_channel_of_its_own(store: LocalSto
         got.append(client)
         assert client is store.memory.cleaner.publisher  # type: ignore[union-attr]
         key = f"own{len(got)}"
-        assert store.put_many([(key, _value(key))]) == [True]
+        assert store.put_many([(key, value(key))]) == [True]
 
     for _ in range(CHANNELS + 1):
         t = threading.Thread(target=take)

@@ -21,7 +21,6 @@ native helper) is left to :meth:`TierWrites.put`, which does it the usual way.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 
 from ucm_patch.hooks.stores.base import StoreError
@@ -154,17 +153,6 @@ class TierBesideWrites(TierWrites):
         self._write_parts(records, pending, parts)
         self._publish_parts(publisher, records, pending, parts, sizes[-1])
         return left
-
-    def _still_dry(self) -> bool:
-        """The reserve was found dry a moment ago and nothing was spilled since
-        (:meth:`~.tier_leases.TierLeases._new_lease`'s first look): counted as dry."""
-        dry = self._dry
-        if dry is not None:
-            if self._shared[0] + self._shared[1] == dry[0] and time.monotonic() < dry[1]:
-                self._dry_again()
-                return True
-            self._dry = None
-        return False
 
     def _write_parts(self, records: Sequence[Record], pending: list[int], parts: list[_Part]
                      ) -> None:  # fmt: skip

@@ -117,11 +117,8 @@ class TierLeases:
         (:meth:`_leased`). None when no segment is ready, or live processes write every
         segment."""
         me = os.getpid()
-        dry = self._dry
-        if dry is not None:
-            if self._shared[0] + self._shared[1] == dry[0] and time.monotonic() < dry[1]:
-                return self._dry_again()
-            self._dry = None
+        if self._still_dry():
+            return None
         last = self._last  # the segment this process appended to last, as it left it
         if last is not None and last.end + need <= self.segment_bytes:
             gen = self.index.claim(last.seg, SegRow(last.gen, last.end, 0), me, empty=False)
@@ -211,6 +208,17 @@ class TierLeases:
             if gen is not None:
                 return seg, gen, 0 if ready or row is None else row.end, ready
         return None
+
+    def _still_dry(self) -> bool:
+        """The reserve was found dry a moment ago and nothing was spilled since
+        (:meth:`_dry_again`): counted as dry again, True."""
+        dry = self._dry
+        if dry is not None:
+            if self._shared[0] + self._shared[1] == dry[0] and time.monotonic() < dry[1]:
+                self._dry_again()
+                return True
+            self._dry = None
+        return False
 
     def _dry_again(self) -> None:
         """A put that found the reserve dry: counted, and no segment. Until a cleaner has
