@@ -1,9 +1,9 @@
 """hooks/stores/memcopy.py: the copy the stores use for every value's bytes.
 
-A writable contiguous destination and a writable contiguous or ``bytes`` source go through
-``ctypes.memmove`` (a foreign call: ctypes lets
-other threads run meanwhile; bench_stores shows what that buys with several workers);
-anything else is copied by slicing; a length mismatch is refused before any byte moves.
+A writable contiguous destination and a contiguous source (writable, ``bytes``, or
+read-only) go through ``ctypes.memmove`` (a foreign call: ctypes lets other threads run
+meanwhile; bench_stores shows what that buys with several workers); anything else is
+copied by slicing; a length mismatch is refused before any byte moves.
 """
 
 from __future__ import annotations
@@ -39,17 +39,27 @@ def test_a_bytes_source_is_moved_without_slicing(moves: list[int]) -> None:
     assert dst.tobytes() == data and moves == [N]
 
 
-def test_read_only_and_small_sources_are_sliced(moves: list[int]) -> None:
+def test_read_only_sources_move_and_small_ones_are_sliced(moves: list[int]) -> None:
+    """A read-only view (a put of ``bytes`` values passes one) has an address for
+    reading: one move without the GIL, from the right place of a slice too; a copy below
+    GIL_FREE_MIN and a strided source are sliced."""
     data = bytes(range(256)) * (N // 256)
     dst = memoryview(bytearray(N))
-    memcopy.copy_bytes(dst, memoryview(data))  # a read-only view: no address to take
+    memcopy.copy_bytes(dst, memoryview(data))
+    half = memoryview(bytearray(N // 2))
+    memcopy.copy_bytes(half, memoryview(data)[N // 2 :])
     small = memoryview(bytearray(memcopy.GIL_FREE_MIN - 1))
     memcopy.copy_bytes(small, memoryview(bytearray(b"x" * len(small))))
-    assert dst.tobytes() == data and small.tobytes() == b"x" * len(small)
-    assert moves == []
+    strided = memoryview(bytearray(N // 2))
+    memcopy.copy_bytes(strided, memoryview(data)[::2])
+    assert dst.tobytes() == data and half.tobytes() == data[N // 2 :]
+    assert small.tobytes() == b"x" * len(small) and strided.tobytes() == data[::2]
+    assert moves == [N, N // 2]
+    assert memcopy.addresses(dst, memoryview(data)[::2]) is None
+    assert memcopy.addresses(memoryview(data), memoryview(bytearray(N))) is None  # dst read-only
 
 
-def test_a_read_only_mapping_is_sliced(moves: list[int], tmp_path) -> None:
+def test_a_read_only_mapping_moves(moves: list[int], tmp_path) -> None:
     path = tmp_path / "seg"
     path.write_bytes(b"\x07" * N)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), N, prot=mmap.PROT_READ) as m:
@@ -57,7 +67,7 @@ def test_a_read_only_mapping_is_sliced(moves: list[int], tmp_path) -> None:
         dst = memoryview(bytearray(N))
         memcopy.copy_bytes(dst, view)
         view.release()
-    assert dst.tobytes() == b"\x07" * N and moves == []
+    assert dst.tobytes() == b"\x07" * N and moves == [N]
 
 
 def test_length_mismatch_is_refused_before_a_byte_moves(moves: list[int]) -> None:

@@ -152,3 +152,97 @@ def test_a_put_batch_is_copied_and_framed_in_one_call(tmp_path: Path, monkeypatc
     monkeypatch.setattr(rowcopy, "_tried", True)
     assert s.get_many(list(values)) == list(values.values())
     s.close()
+
+
+def _disk_store(root: Path) -> LocalStore:
+    return LocalStore(root / "kv", 256 << 20, memory_bytes=0, value_bytes=VALUE)
+
+
+def test_a_disk_put_batch_is_hashed_and_written_in_one_call(tmp_path: Path, monkeypatch) -> None:
+    """A batch into a file segment: one foreign call hashes and writes every value and its
+    record header (no second thread: the sidecar is never started); the frames are the
+    ones ``make_header`` computes, and both readers verify them."""
+    from ucm_patch.hooks.stores import tier_writes
+
+    assert rowcopy.available()
+    calls: list[int] = []
+    real = rowcopy._frame_write
+    monkeypatch.setattr(rowcopy, "_frame_write", lambda h, fd, items: calls.append(len(items))
+                        or real(h, fd, items))  # fmt: skip
+
+    def no_sidecar() -> None:
+        raise AssertionError("a disk put started the sidecar")
+
+    monkeypatch.setattr(tier_writes, "sidecar", no_sidecar)
+    s = _disk_store(tmp_path)
+    assert s.memory is None
+    values = _row(3)
+    assert all(s.put_many(list(values.items())))
+    assert calls == [3]
+    for key, value in values.items():
+        loc = s.where(key)
+        assert loc is not None and loc.tier == "disk"
+        with open(os.path.join(s.disk.path, loc.file), "rb") as f:
+            f.seek(loc.offset - framing.HEADER_SIZE)
+            header = f.read(framing.HEADER_SIZE)
+        assert header == framing.make_header(key.encode(), memoryview(value))
+    ok, bufs = _read(s, values)
+    assert ok == [True] * 3 and [bytes(b) for b in bufs] == list(values.values())
+    monkeypatch.setattr(rowcopy, "_helper", None)  # the value-by-value reads agree
+    monkeypatch.setattr(rowcopy, "_tried", True)
+    assert s.get_many(list(values)) == list(values.values())
+    s.close()
+
+
+def test_a_file_write_that_fails_names_the_descriptor(tmp_path: Path) -> None:
+    """A write the kernel refuses raises an OSError with its errno and the descriptor;
+    a checksum place outside the header is refused before anything is written."""
+    import errno
+
+    value = memoryview(bytearray(os.urandom(300 << 10)))
+    with open(tmp_path / "ro", "wb") as f:
+        f.write(b"x")
+    fd = os.open(tmp_path / "ro", os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match=f"writing fd {fd}") as err:
+            rowcopy.frame_write_many(fd, [(64, value, b"k", bytearray(64), 60, 0)])
+        assert err.value.errno == errno.EBADF
+        with pytest.raises(ValueError, match="item 0: checksum at 62 of a 64-byte header"):
+            rowcopy.frame_write_many(fd, [(64, value, b"k", bytearray(64), 62, 0)])
+    finally:
+        os.close(fd)
+    assert (tmp_path / "ro").read_bytes() == b"x"
+
+
+def test_a_failed_disk_batch_write_publishes_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The one-call write into a file segment fails (the kernel refuses it): the put
+    raises a StoreError naming it, none of the batch is published, nothing is counted
+    corrupt, and the next put and the values before it are fine."""
+    from ucm_patch.hooks.stores.base import StoreError
+    from ucm_patch.hooks.stores.segment_files import FileSegments
+
+    s = _disk_store(tmp_path)
+    before = _row(1)
+    assert s.put_many(list(before.items())) == [True]
+    real = FileSegments.live_fd
+    read_only: list[int] = []
+
+    def refusing(self, seg, create=False):  # a descriptor the kernel will not write
+        fd = os.open(self.where(seg), os.O_RDONLY)
+        read_only.append(fd)
+        return fd, os.fstat(fd)
+
+    monkeypatch.setattr(FileSegments, "live_fd", refusing)
+    lost = {f"lost/{i}": os.urandom(VALUE) for i in range(2)}
+    with pytest.raises(StoreError, match="Bad file descriptor"):
+        s.put_many(list(lost.items()))
+    monkeypatch.setattr(FileSegments, "live_fd", real)
+    for fd in read_only:
+        os.close(fd)
+    assert s.get_many(list(lost)) == [None, None]
+    after = {f"after/{i}": os.urandom(VALUE) for i in range(2)}
+    assert all(s.put_many(list(after.items())))
+    both = before | after
+    assert s.get_many(list(both)) == list(both.values())
+    assert s.stats["errors"] == 1 and s.stats["corrupt"] == 0, s.stats
+    s.close()

@@ -1,8 +1,8 @@
 """The store's sidecar thread, and the disk tier's put that hashes while its payloads are
 written: the call runs on another thread at the same time as the caller, its result and
 its exception come back, one sidecar per thread (gone with its thread, replaced after a
-fork); a disk batch of large values is written by the sidecar, reads back, and a failed
-payload write publishes nothing and leaves the store usable."""
+fork); without the row helper, a disk batch of large values is written by the sidecar,
+reads back, and a failed payload write publishes nothing and leaves the store usable."""
 
 from __future__ import annotations
 
@@ -143,8 +143,18 @@ def _large(i: int) -> bytes:
     return bytes([i % 251]) * PIECE + hashlib.sha256(str(i).encode()).digest() * 128
 
 
+@pytest.fixture
+def no_row_helper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host without a C compiler: the disk tier's puts take the sidecar (with the row
+    helper, one native call hashes and writes a batch: tests/test_store_rowcopy.py)."""
+    from ucm_patch.hooks.stores import rowcopy
+
+    monkeypatch.setattr(rowcopy, "_helper", None)
+    monkeypatch.setattr(rowcopy, "_tried", True)
+
+
 def test_disk_tier_large_batch_is_written_by_the_sidecar_and_reads_back(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, monkeypatch, no_row_helper: None
 ) -> None:
     writes: list[tuple[str, int]] = []  # (thread name, bytes) per FileSegments.write
     real = FileSegments.write
@@ -170,7 +180,9 @@ def test_disk_tier_large_batch_is_written_by_the_sidecar_and_reads_back(
     reopened.close()
 
 
-def test_disk_tier_failed_payload_write_publishes_nothing(tmp_path: Path, monkeypatch) -> None:
+def test_disk_tier_failed_payload_write_publishes_nothing(
+    tmp_path: Path, monkeypatch, no_row_helper: None
+) -> None:
     real = FileSegments.write
 
     def failing_on_sidecar(self, seg, offset, parts):
@@ -191,9 +203,12 @@ def test_disk_tier_failed_payload_write_publishes_nothing(tmp_path: Path, monkey
     s.close()
 
 
-def test_memory_tier_copies_large_values_on_the_sidecar(tmp_path: Path, monkeypatch) -> None:
-    """From MAPPED_SIDECAR_MIN on, a mapped segment's values are copied on the sidecar;
-    smaller ones keep the fused copy (each piece hashed right after its copy)."""
+def test_memory_tier_copies_large_values_on_the_sidecar(
+    tmp_path: Path, monkeypatch, no_row_helper: None
+) -> None:
+    """Without the row helper, from MAPPED_SIDECAR_MIN on, a mapped segment's values are
+    copied on the sidecar; smaller ones keep the fused copy (each piece hashed right after
+    its copy)."""
     copied_on: list[str] = []
     real = tier._copy_each
 

@@ -255,6 +255,26 @@ def copy_framed_many(
     return [p + _U32.pack(d & _LOW32) for p, d in zip(prefixes, digests, strict=True)]
 
 
+def write_framed_many(
+    fd: int, entries: Sequence[tuple[bytes, bytes, int, memoryview | bytes]],
+    secret: bytes | None = None,
+) -> bool:  # fmt: skip
+    """For each (key, lead, at, payload): the bytes ``lead``, the payload's frame header
+    and the payload, written into the file ``fd`` from ``at`` on, every value in one call
+    (:func:`.rowcopy.frame_write_many`: the payload hashed and written piece by piece,
+    the GIL given up once). False where that cannot be (as :func:`copy_framed_many`):
+    nothing written, the caller writes the usual way. An ``OSError`` of a write is
+    raised."""
+    if secret is not None or _xxh3_64_int is None:
+        return False
+    items = []
+    for key, lead, at, payload in entries:
+        prefix = _prefixes.get(len(payload)) or _unkeyed_prefix(len(payload))
+        header = bytearray(lead + prefix + bytes(4))
+        items.append((at + len(header), payload, prefix + key, header, len(header) - 4, at))
+    return rowcopy.frame_write_many(fd, items) is not None
+
+
 def copy_verified(
     key: bytes,
     header: bytes | memoryview,

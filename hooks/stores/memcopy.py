@@ -8,8 +8,9 @@ the GIL around it, and XXH3 releases it while hashing, so two workers now copy a
 (docs/CONNECTOR.md#store: the measurement).
 
 Only whole, C-contiguous, writable buffers have an address ctypes can take, and ``bytes``
-objects (``c_char_p`` points into them); anything else (a read-only mapping, a strided
-view) is copied by slice assignment, as before.
+objects (``c_char_p`` points into them). A source may also be read-only (a
+``memoryview`` of ``bytes``, a read-only mapping: :func:`source_address` asks the buffer
+protocol); anything else (a strided view) is copied by slice assignment, as before.
 """
 
 from __future__ import annotations
@@ -40,17 +41,65 @@ def address(buf: memoryview | bytes) -> int | None:
         return None
 
 
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (its layout is part of the stable ABI)."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+_PYBUF_SIMPLE = 0  # contiguous bytes, read-only allowed
+
+
+def source_address(buf: memoryview | bytes) -> int | None:
+    """Where ``buf`` starts, for reading only: as :func:`address`, and also when it is
+    read-only (a ``memoryview`` of ``bytes``: what a put of ``bytes`` values passes, a
+    read-only mapping), when contiguous; None otherwise. Valid while the caller holds
+    ``buf``: a ``memoryview`` keeps its exporter's buffer in place while it lives."""
+    if type(buf) is bytes:
+        return bytes_address(buf)
+    try:
+        return _addressof(_from_buffer(buf))
+    except (TypeError, ValueError, BufferError):
+        pass
+    view = _PyBuffer()
+    try:
+        _get_buffer(buf, ctypes.byref(view), _PYBUF_SIMPLE)
+    except (TypeError, ValueError, BufferError):  # not contiguous, or no buffer
+        return None
+    try:
+        return view.buf or None
+    finally:
+        _release_buffer(ctypes.byref(view))
+
+
 def addresses(dst: memoryview, src: memoryview | bytes) -> tuple[int, int] | None:
     """The start addresses of ``dst`` and ``src`` when ``dst`` is a writable contiguous
-    buffer and ``src`` one too or a ``bytes`` object (valid while the caller holds them),
-    else None: then copy by slicing."""
+    buffer and ``src`` a contiguous one (:func:`source_address`; valid while the caller
+    holds them), else None: then copy by slicing."""
     try:
         to = _addressof(_from_buffer(dst))
-        if type(src) is bytes:  # immutable: its buffer is only readable, and never moves
-            return to, bytes_address(src)
-        return to, _addressof(_from_buffer(src))
     except (TypeError, ValueError, BufferError):  # read-only or not contiguous
         return None
+    src_at = source_address(src)
+    return None if src_at is None else (to, src_at)
 
 
 def move(dst_address: int, src_address: int, n: int) -> None:
@@ -73,4 +122,12 @@ def copy_bytes(dst: memoryview, src: memoryview | bytes) -> None:
     dst[:] = src
 
 
-__all__ = ["GIL_FREE_MIN", "address", "addresses", "bytes_address", "copy_bytes", "move"]
+__all__ = [
+    "GIL_FREE_MIN",
+    "address",
+    "addresses",
+    "bytes_address",
+    "copy_bytes",
+    "move",
+    "source_address",
+]

@@ -9,10 +9,13 @@
  * The checksum is the store's frame check (hooks/stores/framing.py): XXH3-64 of the
  * payload, seeded per value, low 32 bits. The XXH3 functions are passed in by address,
  * taken from the xxhash extension the store already imports, so nothing is linked here. */
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/types.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef void *(*xxh3_create_fn)(void);
 typedef int (*xxh3_free_fn)(void *);
@@ -70,8 +73,9 @@ int ucm_rowcopy(size_t n, char *const *dst, const char *const *src, const size_t
     return 0;
 }
 
-/* A run into a KV cache: written around the caches (non-temporal stores) when it is long.
- * Why: a cache's pages are written once here and read later by the forward, not now, so
+/* A run into a KV cache or a store's segment: written around the caches (non-temporal
+ * stores) when it is long. Why: those pages are written once here and read later (by the
+ * forward, by another process), not now, so
  * pulling each destination line into the cache first (what a plain store does) reads as
  * many bytes from memory as are written; a large memcpy streams, a 64 KiB one does not.
  * The caller fences (store_fence) before telling a reader the bytes are there. */
@@ -191,10 +195,18 @@ int ucm_wait_flag(const uint8_t *flag, int64_t timeout_ns)
 }
 
 /* A batch of values copied into a store and framed, in one call: for each i < n, len[i]
- * bytes from src[i] to dst[i], piece by piece, each piece hashed right after its copy
- * (as ucm_rowcopy does), and digest[i] = XXH3-64 of the copy, seeded as in ucm_rowcopy.
+ * bytes from src[i] to dst[i], and digest[i] = XXH3-64 of them, seeded as in ucm_rowcopy.
  * The caller builds each frame's header from it. Returns 0, or -1 when no hash state
- * could be made (nothing copied). */
+ * could be made (nothing copied).
+ *
+ * Each piece is hashed from the source, then copied from the cache it was just read into
+ * and written around the caches (copy_run), as ucm_scatter does. Why: a store's segment
+ * is written once here and read later by another process, so hashing the copy instead
+ * would need its lines in the cache, and a plain store reads each destination line from
+ * memory before writing it. Hashed from the source, the value moves through memory once
+ * each way. A source changed while it is copied gives a frame whose check fails on read:
+ * the value is then reported damaged, never served torn. */
+#define FRAME_PIECE ((size_t)32 << 10)
 int ucm_rowframe(size_t n, char *const *dst, const char *const *src, const size_t *len,
                  const char *const *seed_src, const size_t *seed_len,
                  const struct xxh3_api *api, uint64_t *digest)
@@ -206,13 +218,79 @@ int ucm_rowframe(size_t n, char *const *dst, const char *const *src, const size_
         api->reset(state, 0);
         api->update(state, seed_src[i], seed_len[i]);
         api->reset(state, api->digest(state));
-        for (size_t at = 0; at < len[i]; at += PIECE) {
-            size_t k = len[i] - at < PIECE ? len[i] - at : PIECE;
-            memcpy(dst[i] + at, src[i] + at, k);
-            api->update(state, dst[i] + at, k);
+        for (size_t at = 0; at < len[i]; at += FRAME_PIECE) {
+            size_t k = len[i] - at < FRAME_PIECE ? len[i] - at : FRAME_PIECE;
+            api->update(state, src[i] + at, k);
+            copy_run(dst[i] + at, src[i] + at, k);
         }
         digest[i] = api->digest(state);
     }
+    store_fence(); /* the streamed bytes visible before the caller publishes them */
     api->free_state(state);
     return 0;
+}
+
+/* All of len bytes from buf written at offset of fd, however many pwrite calls that
+ * takes (a signal, a short write): 0, or the errno of the one that failed. */
+static int write_all(int fd, const char *buf, size_t len, int64_t offset)
+{
+    while (len > 0) {
+        ssize_t n = pwrite(fd, buf, len, (off_t)offset);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        if (n == 0)
+            return EIO;
+        buf += n;
+        len -= (size_t)n;
+        offset += n;
+    }
+    return 0;
+}
+
+/* A batch of values written into a file and framed, in one call: for each i < n, the
+ * len[i] bytes at src[i] go to fd at pay_at[i], digest[i] = XXH3-64 of them, seeded as in
+ * ucm_rowframe; then its low 32 bits go little-endian into head[i] at sum_at[i], and the
+ * head_len[i] bytes of head[i] (the record's header) to fd at head_at[i].
+ *
+ * Each piece is hashed from the source, then written from the cache it was just read
+ * into (PIECE: half a core's L2). Why one call: the other way, a put copies on a second
+ * thread while the first hashes, two threads per writer: several writers of one host
+ * then switch between twice as many threads as it has cores, and each byte of the
+ * source is read from memory twice. Returns 0, -1 when no hash state could be made
+ * (nothing written), or the errno of a write that failed (what came before it is
+ * written; the caller publishes none of the batch). */
+int ucm_framewrite(int fd, size_t n, const int64_t *pay_at, const char *const *src,
+                   const size_t *len, const char *const *seed_src, const size_t *seed_len,
+                   char *const *head, const size_t *head_len, const size_t *sum_at,
+                   const int64_t *head_at, const struct xxh3_api *api, uint64_t *digest)
+{
+    void *state = api->create();
+    if (state == NULL)
+        return -1;
+    int err = 0;
+    for (size_t i = 0; i < n && err == 0; i++) {
+        api->reset(state, 0);
+        api->update(state, seed_src[i], seed_len[i]);
+        api->reset(state, api->digest(state));
+        for (size_t at = 0; at < len[i] && err == 0; at += PIECE) {
+            size_t k = len[i] - at < PIECE ? len[i] - at : PIECE;
+            api->update(state, src[i] + at, k);
+            err = write_all(fd, src[i] + at, k, pay_at[i] + (int64_t)at);
+        }
+        if (err != 0)
+            break;
+        digest[i] = api->digest(state);
+        uint32_t sum = (uint32_t)digest[i];
+        unsigned char *to = (unsigned char *)head[i] + sum_at[i];
+        to[0] = (unsigned char)sum;
+        to[1] = (unsigned char)(sum >> 8);
+        to[2] = (unsigned char)(sum >> 16);
+        to[3] = (unsigned char)(sum >> 24);
+        err = write_all(fd, head[i], head_len[i], head_at[i]);
+    }
+    api->free_state(state);
+    return err;
 }

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm_patch import environment
-from ucm_patch.hooks.stores.memcopy import address, addresses, bytes_address
+from ucm_patch.hooks.stores.memcopy import address, addresses, bytes_address, source_address
 from ucm_patch.hooks.stores.scatter import PagePlan, Scatter
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,12 @@ class _Api(ctypes.Structure):
 class _Helper:
     """The loaded helper: its entry points and the XXH3 functions it calls."""
 
-    def __init__(self, fn: Any, scatter: Any, frame: Any, wait_flag: Any, api: _Api,
-                 keep: tuple[Any, ...]) -> None:  # fmt: skip
+    def __init__(self, fn: Any, scatter: Any, frame: Any, frame_write: Any, wait_flag: Any,
+                 api: _Api, keep: tuple[Any, ...]) -> None:  # fmt: skip
         self.fn = fn
         self.scatter = scatter
         self.frame = frame
+        self.frame_write = frame_write
         self.wait_flag = wait_flag
         self.api = api
         self.keep = keep  # the libraries, loaded for as long as the helper is
@@ -133,9 +134,12 @@ def _load() -> _Helper:
     frame = lib.ucm_rowframe
     frame.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, p]
     frame.restype = ctypes.c_int
+    frame_write = lib.ucm_framewrite
+    frame_write.argtypes = [ctypes.c_int, ctypes.c_size_t, *[p] * 11]
+    frame_write.restype = ctypes.c_int
     xxh = _xxh3_library()
     api = _Api(*[ctypes.cast(getattr(xxh, name), p).value for name in XXH3_SYMBOLS])
-    helper = _Helper(fn, scatter, frame, wait, api, (lib, xxh))
+    helper = _Helper(fn, scatter, frame, frame_write, wait, api, (lib, xxh))
     _self_test(helper)
     return helper
 
@@ -176,6 +180,21 @@ def _self_test(helper: _Helper) -> None:
     framed = xxhash.xxh3_64_intdigest(src, xxhash.xxh3_64_intdigest(material))
     if digests != [framed] or copy != src:
         raise OSError(f"frame self-test failed: {digests} != {[framed]}")
+    _self_test_file(helper, src, material, framed)
+
+
+def _self_test_file(helper: _Helper, src: memoryview, material: bytes, framed: int) -> None:
+    """:func:`frame_write_many` writes the value and its header where it was told."""
+    import tempfile
+
+    head = bytearray(b"h" * 8)
+    with tempfile.TemporaryFile() as f:
+        digests = _frame_write(helper, f.fileno(), [(8, src, material, head, 2, 0)])
+        f.seek(0)
+        back = f.read()
+    want = b"hh" + (framed & 0xFFFFFFFF).to_bytes(4, "little") + b"hh" + bytes(src)
+    if digests != [framed] or back != want:
+        raise OSError(f"file frame self-test failed: {digests} != {[framed]}")
 
 
 def _get() -> _Helper | None:
@@ -291,6 +310,57 @@ def _frame(helper: _Helper, items: Sequence[FrameItem]) -> list[int] | None:
     return list(digest)
 
 
+#: One value of :func:`frame_write_many`: (payload offset, src, the bytes whose XXH3-64 is
+#: the seed, the record's header (a bytearray: its checksum is written into it), where in
+#: the header the checksum goes, the header's offset).
+FileFrameItem = tuple[int, memoryview | bytes, bytes, bytearray, int, int]
+
+
+def frame_write_many(fd: int, items: Sequence[FileFrameItem]) -> list[int] | None:
+    """For each item: write ``src`` into the file ``fd`` at its payload offset, put the
+    low 32 bits of XXH3-64 of it (seeded with XXH3-64 of the material) little-endian into
+    the header at its place, and write the header at its offset; answer the XXH3-64s.
+    Every value in one call without the GIL (a put into a file segment). None when the
+    helper is unavailable or a buffer has no address: the caller then writes the usual
+    way. An ``OSError`` names the write that failed; what came before it may be written."""
+    helper = _get()
+    if helper is None or not items:
+        return None if helper is None else []
+    return _frame_write(helper, fd, items)
+
+
+def _frame_write(helper: _Helper, fd: int, items: Sequence[FileFrameItem]) -> list[int] | None:
+    n = len(items)
+    pay_at = (ctypes.c_int64 * n)()
+    src = (ctypes.c_void_p * n)()
+    size = (ctypes.c_size_t * n)()
+    seed_src = (ctypes.c_void_p * n)()
+    seed_len = (ctypes.c_size_t * n)()
+    head = (ctypes.c_void_p * n)()
+    head_len = (ctypes.c_size_t * n)()
+    sum_at = (ctypes.c_size_t * n)()
+    head_at = (ctypes.c_int64 * n)()
+    digest = (ctypes.c_uint64 * n)()
+    for i, (at, s, material, header, where, header_at) in enumerate(items):
+        if not 0 <= where <= len(header) - 4:
+            raise ValueError(f"frame_write_many: item {i}: checksum at {where} of a "
+                             f"{len(header)}-byte header")  # fmt: skip
+        source, into = source_address(s), address(header)
+        if source is None or into is None:
+            return None
+        pay_at[i], src[i], size[i] = at, source, len(s)
+        seed_src[i], seed_len[i] = bytes_address(material), len(material)
+        head[i], head_len[i], sum_at[i], head_at[i] = into, len(header), where, header_at
+    api = ctypes.byref(helper.api)
+    err = helper.frame_write(fd, n, pay_at, src, size, seed_src, seed_len, head, head_len,
+                             sum_at, head_at, api, digest)  # fmt: skip
+    if err == -1:
+        return None
+    if err:
+        raise OSError(err, f"frame_write_many: writing fd {fd}: {os.strerror(err)}")
+    return list(digest)
+
+
 #: One value of :func:`scatter_verify_many`: (src, seed, want, target); the seed as in
 #: :data:`Item`.
 ScatterItem = tuple[memoryview, int | bytes, int, Scatter]
@@ -339,7 +409,7 @@ def _scatter(
         if len(s) != t.nbytes:
             raise ValueError(f"scatter_verify_many: item {i}: src has {len(s)} bytes, "
                              f"its target {t.nbytes}")  # fmt: skip
-        where = address(s)
+        where = source_address(s)
         if where is None:
             return None
         p = index.get(id(t.plan))

@@ -17,6 +17,7 @@ from ucm_patch.hooks.stores.framing import (
     copy_framed,
     copy_framed_many,
     make_header,
+    write_framed_many,
 )
 from ucm_patch.hooks.stores.memcopy import copy_bytes
 from ucm_patch.hooks.stores.publish_channel import is_beside_forward
@@ -187,9 +188,9 @@ class TierWrites:
         return tried and None not in self.index.lookup([digest for digest, _loc in locs])
 
     def _write(self, lease: Lease, batch: list[Record], end: int, framed: bool) -> None:
-        """Write ``batch`` from ``lease.end`` on. A mapped segment takes the whole batch in
-        one native call where the row helper is built (:meth:`_write_framed_in_one_call`).
-        Otherwise a batch of large values (``PIECE`` for a file,
+        """Write ``batch`` from ``lease.end`` on. A segment takes the whole batch in one
+        native call where the row helper is built (:meth:`_write_framed_in_one_call`,
+        :meth:`_write_file_in_one_call`). Otherwise a batch of large values (``PIECE`` for a file,
         :data:`MAPPED_SIDECAR_MIN` for a mapping) is copied on this thread's sidecar
         while their frames are computed here (:meth:`_write_hashing_meanwhile`), and
         otherwise a mapped segment gets each payload copied once and its frame computed on
@@ -198,6 +199,10 @@ class TierWrites:
         ``pwritev`` of the batch."""
         view = self.files.mapping(lease.seg, end, write=True)
         if view is not None and not framed and self._write_framed_in_one_call(lease, batch, view):
+            return
+        if view is None and not framed and self._write_file_in_one_call(lease, batch):
+            if self.fsync:
+                self.files.sync(lease.seg)
             return
         if not framed and min([len(r[2]) for r in batch]) >= (
             PIECE if view is None else MAPPED_SIDECAR_MIN
@@ -247,6 +252,21 @@ class TierWrites:
         for start, header, (digest, _key, _payload) in zip(starts, headers, batch, strict=True):
             view[start : start + RECORD_HEADER] = digest + _PAD + header
         return True
+
+    def _write_file_in_one_call(self, lease: Lease, batch: list[Record]) -> bool:
+        """A file segment's batch in one native call where the row helper is built
+        (:func:`~.framing.write_framed_many`): each payload hashed and written piece by
+        piece, then its record header; False where it cannot (nothing written). Why not
+        the sidecar (:meth:`_write_hashing_meanwhile`): that takes two threads per writer
+        and reads each payload from memory twice; with several writers on a host of few
+        cores (writes around a dry memory tier) the threads outnumber the cores."""
+        entries = []
+        off = lease.end
+        for digest, key, payload in batch:
+            entries.append((key, digest + _PAD, off, payload))
+            off = (off + RECORD_HEADER + len(payload) + 63) & ~63
+        fd = self.files.live_fd(lease.seg, create=True)[0]
+        return write_framed_many(fd, entries, self.secret)
 
     def _write_hashing_meanwhile(
         self, lease: Lease, batch: list[Record], view: memoryview | None
