@@ -19,7 +19,7 @@ that, with nothing of vLLM:
 * the same loads beside a thread running Python in a loop (vLLM's forward), at the
   default switch interval;
 * the floor: a memcpy of the same bytes and an XXH3 of them, side by side on two threads
-  (the work a load must do), in the same process.
+  (the work a load must do), in the same process, timed after each steady load.
 
 The same for dumps: a fresh process submits rows (a row's values, from buffers in memory)
 to the dump scheduler on the forward's thread, as the connector's ``save_kv_layer`` does,
@@ -31,10 +31,12 @@ Reported: GB/s alone and beside the Python thread, host CPU-seconds per GB loade
 load threads' own, from ``getrusage`` per thread), wall alone against the floor, GIL
 waits per value (the load threads' voluntary context switches beside the Python thread:
 each is a wait for the GIL, or for the store's lock), and the first load against the
-steady ones.
+steady ones. Readers and dumpers each run in ``--processes`` fresh processes, one after
+the other: a first load is one sample per process, so its figure is their median, and
+the other figures pool every process's samples.
 
     python scripts/bench_load_proxy.py [--values 900] [--value-bytes 1MiB] [--threads N]
-        [--repeat 5] [--json OUT]
+        [--repeat 5] [--processes 5] [--json OUT]
 """
 
 from __future__ import annotations
@@ -221,24 +223,34 @@ def _load_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]], cache
     return {"wall_s": wall, "cpu_s": sum(u[0] for u in usage), "waits": sum(u[1] for u in usage)}
 
 
-def _floor(nbytes: int) -> float:
-    """A memcpy and an XXH3 of ``nbytes``, side by side on two threads: wall seconds."""
-    import xxhash
+class _Floor:
+    """A memcpy and an XXH3 of ``nbytes``, side by side on two threads (the work a load
+    or a dump must do), timed once after each steady pass (:meth:`sample`): the floor is
+    the median of those, as the pass's figure is of the passes, so that both meet the
+    same moments of the host (a floor timed apart, at its best of a few, ran 1.1x to 1.4x
+    off the passes from run to run on the same code)."""
 
-    from ucm_patch.hooks.stores.memcopy import copy_bytes
+    def __init__(self, nbytes: int) -> None:
+        from ucm_patch.hooks.stores.memcopy import copy_bytes
 
-    src = memoryview(os.urandom(nbytes))
-    dst = memoryview(bytearray(nbytes))
-    copy_bytes(dst, src)  # pages touched once
-    best = float("inf")
-    for _ in range(3):
-        hasher = threading.Thread(target=xxhash.xxh3_64_intdigest, args=(src,))
+        self._copy = copy_bytes
+        self._src = memoryview(os.urandom(nbytes))
+        self._dst = memoryview(bytearray(nbytes))
+        copy_bytes(self._dst, self._src)  # pages touched once
+        self.samples: list[float] = []
+
+    def sample(self) -> None:
+        import xxhash
+
+        hasher = threading.Thread(target=xxhash.xxh3_64_intdigest, args=(self._src,))
         t0 = time.perf_counter()
         hasher.start()
-        copy_bytes(dst, src)
+        self._copy(self._dst, self._src)
         hasher.join()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        self.samples.append(time.perf_counter() - t0)
+
+    def seconds(self) -> float:
+        return statistics.median(self.samples)
 
 
 def read(
@@ -261,14 +273,18 @@ def read(
                            "switch_interval_s": sys.getswitchinterval(),
                            "row_helper": rowcopy.available()}  # fmt: skip
     cache = _Cache(values, value_bytes)
+    floor = _Floor(nbytes)
     with ThreadPoolExecutor(threads, thread_name_prefix="ucm-load") as pool:
         out["first"] = _load_all(store, pool, rows, cache, threads)
-        out["alone"] = [_load_all(store, pool, rows, cache, threads) for _ in range(repeat)]
+        out["alone"] = []
+        for _ in range(repeat):
+            out["alone"].append(_load_all(store, pool, rows, cache, threads))
+            floor.sample()
         with _Spinner() as forward:
             out["beside_python"] = [
                 _load_all(store, pool, rows, cache, threads, forward) for _ in range(2)
             ]
-    out["floor_s"] = _floor(nbytes)
+    out["floor_s"], out["floor_samples"] = floor.seconds(), floor.samples
     store.close()
     return out
 
@@ -343,10 +359,13 @@ def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -
     sched = DumpScheduler(CpuDevice(), workers=threads, blocking_finish=True,
                           name="ucm-proxy-dump")  # fmt: skip
     client = sched.client("proxy")
+    floor = _Floor(values * value_bytes)
     try:
         out["first"] = _dump_all(sched, client, store, rows, data, "first")
-        out["alone"] = [_dump_all(sched, client, store, rows, data, f"alone{i}")
-                        for i in range(repeat)]  # fmt: skip
+        out["alone"] = []
+        for i in range(repeat):
+            out["alone"].append(_dump_all(sched, client, store, rows, data, f"alone{i}"))
+            floor.sample()
         with _Spinner() as forward:
             out["beside_python"] = [
                 _dump_all(sched, client, store, rows, data, f"beside{i}", forward) for i in range(2)
@@ -357,8 +376,24 @@ def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -
             ]
     finally:
         sched.shutdown()
-    out["floor_s"] = _floor(values * value_bytes)
+    out["floor_s"], out["floor_samples"] = floor.seconds(), floor.samples
     store.close()
+    return out
+
+
+def merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs of one role in fresh processes as one: ``first`` the run whose first pass
+    took the median wall time (``firsts``: every one), the other passes pooled, the floor
+    the median of theirs."""
+    out = dict(runs[0])
+    firsts = sorted((r["first"] for r in runs), key=lambda f: f["wall_s"])
+    out["firsts"], out["first"] = firsts, firsts[len(firsts) // 2]
+    for key in ("alone", "beside_python", "beside_hog"):
+        if key in out:
+            out[key] = [p for r in runs for p in r[key]]
+    out["floor_samples"] = [t for r in runs for t in r["floor_samples"]]
+    out["floor_s"] = statistics.median(out["floor_samples"])
+    out["processes"] = len(runs)
     return out
 
 
@@ -390,12 +425,19 @@ def _ceiling(d: dict[str, Any], alone: float, beside: float) -> dict[str, float]
     return {"beside_hog_share": alone / hog, "beside_python_vs_hog": hog / beside}
 
 
+def _role(cmd: list[str]) -> dict[str, Any]:
+    """One role run in a fresh process: the JSON it printed last."""
+    res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--values", type=int, default=900)
     ap.add_argument("--value-bytes", default="1MiB")
     ap.add_argument("--threads", type=int, default=0, help="load threads (0: the connector's)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--processes", type=int, default=5, help="fresh processes per role")
     ap.add_argument("--json", default=str(bc.RESULTS / "load_proxy.json"))
     ap.add_argument("--role", choices=["write", "read", "dump"], help=argparse.SUPPRESS)
     ap.add_argument("--per-value", action="store_true", help=argparse.SUPPRESS)
@@ -419,25 +461,26 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="ucm-load-proxy-"))
     common = [f"--values={args.values}", f"--value-bytes={args.value_bytes}"]
     me = [sys.executable, __file__, *common, f"--path={base}"]
+    processes = max(1, args.processes)
+    dump_dirs = [base / f"dumps{i}" for i in range(processes)]
     try:
         subprocess.run([*me, "--role=write"], check=True)
         reader = [*me, "--role=read", f"--threads={threads}", f"--repeat={args.repeat}"]
-        runs = {}
-        for name, extra in (("per_value", ["--per-value"]), ("row", [])):
-            res = subprocess.run([*reader, *extra], check=True, capture_output=True, text=True)
-            runs[name] = json.loads(res.stdout.strip().splitlines()[-1])
-        # a third of the values per pass: one store holds every pass in its memory tier
+        runs = {
+            "per_value": _role([*reader, "--per-value"]),  # information: one process
+            "row": merged([_role(reader) for _ in range(processes)]),
+        }
+        # a third of the values per pass: one store holds every pass in its memory tier;
+        # a store of its own per process, so that each first dump finds one as at start
         dumper = [sys.executable, __file__, f"--values={max(ROW_VALUES, args.values // 3)}",
-                  f"--value-bytes={args.value_bytes}", f"--path={base / 'dumps'}",
-                  "--role=dump", f"--threads={dump_threads}",
-                  f"--repeat={args.repeat}"]  # fmt: skip
-        res = subprocess.run(dumper, check=True, capture_output=True, text=True)
-        runs["dumps"] = json.loads(res.stdout.strip().splitlines()[-1])
+                  f"--value-bytes={args.value_bytes}", "--role=dump",
+                  f"--threads={dump_threads}", f"--repeat={args.repeat}"]  # fmt: skip
+        runs["dumps"] = merged([_role([*dumper, f"--path={d}"]) for d in dump_dirs])
     finally:
         from ucm_patch.hooks.stores.local import default_memory_path
 
-        shutil.rmtree(default_memory_path(base / "disk"), ignore_errors=True)
-        shutil.rmtree(default_memory_path(base / "dumps" / "disk"), ignore_errors=True)
+        for d in (base, *dump_dirs):
+            shutil.rmtree(default_memory_path(d / "disk"), ignore_errors=True)
         shutil.rmtree(base, ignore_errors=True)
     # the targets read the store as it reads (the row helper where it builds); the
     # value-by-value reads (no compiler) as information, from the same run

@@ -17,6 +17,12 @@ WALL_VS_FLOOR = 1.25
 FIRST_VS_STEADY = 1.1
 
 
+def _of(d: dict[str, Any]) -> str:
+    """How many fresh processes a first pass is the median of, when more than one."""
+    n = d.get("processes", 1)
+    return f" (median of {n} processes)" if n > 1 else ""
+
+
 def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
     """The four CPU-proxy targets of loads and of dumps, GIL waits per value as
     information."""
@@ -32,7 +38,7 @@ def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, st
          f"{s['cpu_s_per_gb']:.2f}", bc.verdict(s["cpu_s_per_gb"] <= CPU_S_PER_GB)),
         ("load proxy, wall alone vs memcpy and XXH3 side by side", f"<= {WALL_VS_FLOOR}x",
          f"{s['wall_vs_floor']:.2f}x", bc.verdict(s["wall_vs_floor"] <= WALL_VS_FLOOR)),
-        ("load proxy, first load in a new process vs steady", f"<= {FIRST_VS_STEADY}x",
+        (f"load proxy, first load in a new process vs steady{_of(d)}", f"<= {FIRST_VS_STEADY}x",
          f"{s['first_vs_steady']:.2f}x", bc.verdict(s["first_vs_steady"] <= FIRST_VS_STEADY)),
         ("load proxy, GIL waits per value beside a Python thread", "(information)",
          f"{s['gil_waits_per_value']:.2f}", "(information)"),
@@ -48,7 +54,8 @@ def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, st
              f"{u['cpu_s_per_gb']:.2f}", bc.verdict(u["cpu_s_per_gb"] <= CPU_S_PER_GB)),
             ("dump proxy, wall alone vs memcpy and XXH3 side by side", f"<= {WALL_VS_FLOOR}x",
              f"{u['wall_vs_floor']:.2f}x", bc.verdict(u["wall_vs_floor"] <= WALL_VS_FLOOR)),
-            ("dump proxy, first dump in a new process vs steady", f"<= {FIRST_VS_STEADY}x",
+            (f"dump proxy, first dump in a new process vs steady{_of(dumps)}",
+             f"<= {FIRST_VS_STEADY}x",
              f"{u['first_vs_steady']:.2f}x", bc.verdict(u["first_vs_steady"] <= FIRST_VS_STEADY)),
             ("dump proxy, GIL waits per value beside a Python thread", "(information)",
              f"{u['gil_waits_per_value']:.2f}", "(information)"),

@@ -50,7 +50,7 @@ BENCHES: dict[str, tuple[list[str], list[str], int, str]] = {
     # beside a Python thread (about a minute with the full count)
     "load_proxy": (
         ["bench_load_proxy.py"],
-        ["bench_load_proxy.py", "--values", "200", "--repeat", "2"],
+        ["bench_load_proxy.py", "--values", "200", "--repeat", "2", "--processes", "1"],
         900,
         "load_proxy.json",
     ),
