@@ -1,8 +1,9 @@
 """A spilling tier's put from a thread beside the forward (hooks/stores/tier_beside_writes.py):
-however many segments a put spans, one native copy and one request for its publishes
-(plus one for its leases when the process keeps none), nothing of the index done in the
-writer's process, every value readable; a dry reserve skips, never waits; without the
-native helper the same put is copied part by part."""
+however many segments a put spans, one native call that copies every value and sends the
+request for its publishes (plus one request for its leases when the process keeps none),
+nothing of the index done in the writer's process, every value readable; a dry reserve
+skips, never waits; without the native helper the same put is copied part by part; a
+request the native call could not send whole is published by the writer."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.support.serving_store import SEG, VALUE, open_store, serving, value, 
 from ucm_patch.hooks.stores import rowcopy, tier_beside_writes
 from ucm_patch.hooks.stores.framing import key_bytes
 from ucm_patch.hooks.stores.local import LocalStore
-from ucm_patch.hooks.stores.publish_channel import PublishChannels, beside_forward
+from ucm_patch.hooks.stores.publish_channel import PublishChannels, PublishClient, beside_forward
 from ucm_patch.hooks.stores.segment_index import SegmentIndex
 from ucm_patch.hooks.stores.tier import Tier, record_bytes
 
@@ -79,16 +80,35 @@ def _in_process_index_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def _copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The values of each native copy call of the beside-forward path."""
+def _copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Each native copy call of the beside-forward path: ("send", values) for one that
+    also sends the publish request, ("copy", values) for one that copies only."""
+    calls: list[tuple[str, int]] = []
+    copy, send = tier_beside_writes.copy_framed_many, tier_beside_writes.copy_framed_send
+
+    def copied(entries: Sequence[Any], secret: bytes | None = None) -> Any:
+        calls.append(("copy", len(entries)))
+        return copy(entries, secret)
+
+    def sent(entries: Sequence[Any], *args: Any) -> Any:
+        calls.append(("send", len(entries)))
+        return send(entries, *args)
+
+    monkeypatch.setattr(tier_beside_writes, "copy_framed_many", copied)
+    monkeypatch.setattr(tier_beside_writes, "copy_framed_send", sent)
+    return calls
+
+
+def _python_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The requests written by Python (not inside a native copy call): their bytes."""
     calls: list[int] = []
-    real = tier_beside_writes.copy_framed_many
+    real = PublishClient._send
 
-    def counted(entries: Sequence[Any], secret: bytes | None = None) -> Any:
-        calls.append(len(entries))
-        return real(entries, secret)
+    def counted(self: PublishClient, data: bytes) -> None:
+        calls.append(len(data))
+        real(self, data)
 
-    monkeypatch.setattr(tier_beside_writes, "copy_framed_many", counted)
+    monkeypatch.setattr(PublishClient, "_send", counted)
     return calls
 
 
@@ -98,14 +118,17 @@ def test_a_put_spanning_segments_is_one_copy_and_two_requests(
     memory, client = _serving(store)
     index_calls = _in_process_index_calls(monkeypatch)
     copies = _copies(monkeypatch)
+    python_sends = _python_sends(monkeypatch)
     per_segment = SEG // record_bytes(VALUE)  # from the record layout
     keys = [f"k{i}" for i in range(2 * per_segment + per_segment // 2)]
     sent = client.sent
     assert all(_beside(lambda: store.put_many([(k, value(k)) for k in keys])))
-    assert copies == [len(keys)]  # every value in one native call
+    # every value in one native call, which also sent the publishes: the thread takes the
+    # GIL back once for both
+    assert copies == [("send", len(keys))]
     # the lease kept from "start" had room for a segment less one value: one request for
-    # the two more segments this put needs, and one for its three publishes
-    assert client.sent - sent == 2
+    # the two more segments this put needs (from Python), and one for its three publishes
+    assert client.sent - sent == 2 and len(python_sends) == 1
     assert index_calls == []
     assert store.get_many(keys) == [value(k) for k in keys]
     rows = memory.index.segments()
@@ -125,7 +148,8 @@ def test_a_put_spanning_segments_is_one_copy_and_two_requests(
     for i in range(0, len(more), 4):
         chunk = more[i : i + 4]
         assert all(_beside(lambda c=chunk: store.put_many([(k, value(k)) for k in c])))
-    assert client.sent - sent == -(-len(more) // 4)
+    assert client.sent - sent == -(-len(more) // 4) and len(python_sends) == 1
+    assert copies[1:] == [("send", len(more[i : i + 4])) for i in range(0, len(more), 4)]
     assert index_calls == []
     assert store.get_many(more) == [value(k) for k in more]
 
@@ -180,3 +204,29 @@ def test_prepare_writes_starts_the_channel_before_any_put(store: LocalStore) -> 
     assert channels is not None
     wait_serving(channels)
     assert store.stats["puts"] == 0
+
+
+def test_a_request_not_sent_whole_is_published_by_the_writer(
+    store: LocalStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native call copied every value but could not write the request (the pipe
+    refused it): the channel is given up (a request cut short would make its stream
+    unreadable), the writer publishes the put itself, every value is readable, and the
+    next puts go the usual way."""
+    _memory, channels = _serving(store)
+    index_calls = _in_process_index_calls(monkeypatch)
+    real = tier_beside_writes.copy_framed_send
+
+    def refused(entries: Sequence[Any], request: bytes, _request_fd: int, *rest: Any) -> Any:
+        return real(entries, request, -1, *rest)  # EBADF: nothing of the request written
+
+    monkeypatch.setattr(tier_beside_writes, "copy_framed_send", refused)
+    keys = [f"cut{i}" for i in range(3)]
+    assert all(_beside(lambda: store.put_many([(k, value(k)) for k in keys])))
+    client = channels.clients[0]
+    assert client.broken
+    assert "publish" in index_calls  # done here
+    assert store.get_many(keys) == [value(k) for k in keys]
+    later = [f"later{i}" for i in range(3)]
+    assert all(_beside(lambda: store.put_many([(k, value(k)) for k in later])))
+    assert store.get_many(later) == [value(k) for k in later]

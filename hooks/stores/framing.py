@@ -255,6 +255,29 @@ def copy_framed_many(
     return [p + _U32.pack(d & _LOW32) for p, d in zip(prefixes, digests, strict=True)]
 
 
+def copy_framed_send(
+    entries: Sequence[tuple[bytes, memoryview, memoryview | bytes, memoryview, bytes]],
+    request: bytes, request_fd: int, answer_fd: int, timeout_s: float,
+    secret: bytes | None = None,
+) -> tuple[bool, bool] | None:  # fmt: skip
+    """For each (key, dst, src, head, lead): ``src`` copied into ``dst`` and framed, and
+    ``head`` (the record's header in place: ``lead``, the frame header) written; then
+    ``request`` sent on ``request_fd`` and ``answer_fd`` waited on, all in one call
+    (:func:`.rowcopy.frame_send`): (the request written whole, its answer readable). None
+    where that cannot be (as :func:`copy_framed_many`): nothing done."""
+    if secret is not None or _xxh3_64_int is None:
+        return None
+    items = []
+    for key, dst, src, head, lead in entries:
+        prefix = _prefixes.get(len(src)) or _unkeyed_prefix(len(src))
+        items.append((dst, src, prefix + key, head, lead + prefix))
+    got = rowcopy.frame_send(items, request_fd, request, answer_fd, timeout_s)
+    if got is None:
+        return None
+    code, _digests, _err = got
+    return code != rowcopy.SEND_CUT, code == rowcopy.SEND_ANSWERED
+
+
 def write_framed_many(
     fd: int, entries: Sequence[tuple[bytes, bytes, int, memoryview | bytes]],
     secret: bytes | None = None,

@@ -41,7 +41,7 @@ import select
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from ucm_patch.hooks.stores.base import StoreError
@@ -116,6 +116,20 @@ def _read_exactly(fd: int, n: int) -> bytes:
     return b"".join(parts)
 
 
+#: What :meth:`PublishClient.request_after` runs to send a request: (request, request fd,
+#: answer fd, timeout seconds) -> None (nothing done) or (written whole, answer readable).
+SendWork = Callable[[bytes, int, int, float], "tuple[bool, bool] | None"]
+
+
+def _body(owner: int, publishes: Sequence[Fragment], need: int, leases: int) -> bytes:
+    """A request (its number 0: numbered when sent)."""
+    body = [REQUEST.pack(0, owner, need, leases, len(publishes))]
+    for seg, gen, start, end, release, locs in publishes:
+        body.append(FRAGMENT.pack(seg, gen, start, end, release, len(locs)))
+        body += [d + loc for d, loc in locs]
+    return b"".join(body)
+
+
 class PublishClient:
     """The writer's end of one channel (:class:`PublishChannels`: one per thread that
     uses them): one request at a time, answered by number. The channel is used only while no
@@ -154,22 +168,62 @@ class PublishClient:
                              f"leases in one request; at most {MOST} of each")  # fmt: skip
         with self._lock:
             self._catch_up()
-            orphans: list[Claimed] = []
-            while self._orphans and len(orphans) < leases:
-                orphans.append(self._orphans.pop())
+            orphans = self._take_orphans(leases)
             leases -= len(orphans)
             if not publishes and not leases:
                 return Answer([], orphans, False)
-            body = [REQUEST.pack(0, owner, need, leases, len(publishes))]
-            for seg, gen, start, end, release, locs in publishes:
-                body.append(FRAGMENT.pack(seg, gen, start, end, release, len(locs)))
-                body += [d + loc for d, loc in locs]
-            answer = self._call(b"".join(body))
-            if answer is None:
+            answer = self._call(_body(owner, publishes, need, leases))
+            return self._with_orphans(answer, orphans)
+
+    def request_after(
+        self, work: SendWork, owner: int, publishes: Sequence[Fragment], need: int = 0,
+        leases: int = 0,
+    ) -> tuple[bool, Answer | None]:  # fmt: skip
+        """:meth:`request`, sent by ``work(request, request_fd, answer_fd, timeout_s)``: one
+        native call that first does what must be done before the request (a put's copy:
+        :func:`.rowcopy.frame_send`), then writes it and waits until its answer can be
+        read, so that the caller takes the GIL back once for both. (Whether ``work`` ran,
+        the answer or None as :meth:`request` answers.) ``work`` is not run when the
+        channel cannot take a request now; when it answers None it did nothing. Either
+        way the caller then does its work and publishes itself."""
+        with self._lock:
+            self._catch_up()
+            if self.broken or self._owed is not None:
+                return False, None
+            orphans = self._take_orphans(leases)
+            body = _body(owner, publishes, need, leases - len(orphans))
+            self._number = number = self._number % 0xFFFFFFFF + 1
+            try:
+                sent = work(struct.pack("<I", number) + body[4:], self._request_fd,
+                            self._answer_fd, ANSWER_TIMEOUT_S)  # fmt: skip
+            except BaseException:
                 self._orphans += orphans
-                return None
-            answer.leases[:0] = orphans
-            return answer
+                raise
+            if sent is None:
+                self._orphans += orphans
+                return False, None
+            whole, readable = sent
+            if not whole:
+                self.broken = True  # a request cut short: the stream is unreadable
+                self._orphans += orphans
+                return True, None
+            self._owed = number
+            return True, self._with_orphans(self._take_answer(readable), orphans)
+
+    def _take_orphans(self, leases: int) -> list[Claimed]:
+        """Up to ``leases`` of the leases answered late, for this request (lock held)."""
+        orphans: list[Claimed] = []
+        while self._orphans and len(orphans) < leases:
+            orphans.append(self._orphans.pop())
+        return orphans
+
+    def _with_orphans(self, answer: Answer | None, orphans: list[Claimed]) -> Answer | None:
+        """``answer`` with ``orphans`` first among its leases; None: they are kept."""
+        if answer is None:
+            self._orphans += orphans
+            return None
+        answer.leases[:0] = orphans
+        return answer
 
     def publish(
         self,
@@ -207,7 +261,12 @@ class PublishClient:
             self.broken = True  # the process ended, or stopped reading
             return None
         self._owed = number
-        answer = self._answered(ANSWER_TIMEOUT_S)
+        return self._take_answer(True)
+
+    def _take_answer(self, wait: bool) -> Answer | None:
+        """The owed answer, waited for up to :data:`ANSWER_TIMEOUT_S` when ``wait`` (else
+        only what is there now); None when there is none to use (lock held)."""
+        answer = self._answered(ANSWER_TIMEOUT_S if wait else 0.0)
         if answer is None or answer[0] == ERROR:
             return None
         self.sent += 1

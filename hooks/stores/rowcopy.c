@@ -10,6 +10,7 @@
  * payload, seeded per value, low 32 bits. The XXH3 functions are passed in by address,
  * taken from the xxhash extension the store already imports, so nothing is linked here. */
 #include <errno.h>
+#include <poll.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -293,4 +294,89 @@ int ucm_framewrite(int fd, size_t n, const int64_t *pay_at, const char *const *s
     }
     api->free_state(state);
     return err;
+}
+
+/* What ucm_frame_send did (its return value). */
+#define SEND_ANSWERED 0 /* copied, request sent, its answer readable */
+#define SEND_LATE 1     /* copied, request sent, no answer within the timeout */
+#define SEND_CUT 2      /* copied; the request could not be written whole: the stream is
+                           unusable (errno in *err) */
+#define SEND_NOTHING (-1) /* no hash state: nothing copied, nothing sent */
+
+static int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Wait until fd is ready for events or deadline_ns (CLOCK_MONOTONIC) passed: 1 ready,
+ * 0 not, -1 poll failed (errno set). */
+static int wait_fd(int fd, short events, int64_t deadline_ns)
+{
+    for (;;) {
+        int64_t left = deadline_ns - now_ns();
+        if (left <= 0)
+            return 0;
+        struct pollfd p = {fd, events, 0};
+        int ms = (int)((left + 999999) / 1000000);
+        int got = poll(&p, 1, ms);
+        if (got > 0)
+            return 1;
+        if (got < 0 && errno != EINTR)
+            return -1;
+    }
+}
+
+/* A put's values framed into their segments and its publish request sent, in one call,
+ * so that the thread that calls it (a dump thread beside vLLM's forward, which keeps the
+ * interpreter lock) takes that lock back once, when the answer is there, not after the
+ * copy and again after the answer.
+ *
+ * For each i < n: as ucm_rowframe (the copy hashed from the source, written around the
+ * caches, digest[i]), then the record's header: the head_len bytes at head_src[i] copied
+ * to head_dst[i], the low 32 bits of digest[i] little-endian right after them. Then a
+ * store fence (every byte and header visible before the request says they are there),
+ * then the req_len bytes of req written to the non-blocking req_fd (waiting in poll while
+ * the pipe is full), then a wait until ans_fd has something to read; both within
+ * timeout_ns. Returns SEND_*. */
+int ucm_frame_send(size_t n, char *const *dst, const char *const *src, const size_t *len,
+                   const char *const *seed_src, const size_t *seed_len, char *const *head_dst,
+                   const char *const *head_src, size_t head_len, const struct xxh3_api *api,
+                   uint64_t *digest, int req_fd, const char *req, size_t req_len, int ans_fd,
+                   int64_t timeout_ns, int *err)
+{
+    if (ucm_rowframe(n, dst, src, len, seed_src, seed_len, api, digest) != 0)
+        return SEND_NOTHING;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t sum = (uint32_t)digest[i];
+        unsigned char *to = (unsigned char *)head_dst[i];
+        memcpy(to, head_src[i], head_len);
+        to[head_len] = (unsigned char)sum;
+        to[head_len + 1] = (unsigned char)(sum >> 8);
+        to[head_len + 2] = (unsigned char)(sum >> 16);
+        to[head_len + 3] = (unsigned char)(sum >> 24);
+    }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    int64_t deadline = now_ns() + timeout_ns;
+    while (req_len > 0) {
+        ssize_t w = write(req_fd, req, req_len);
+        if (w > 0) {
+            req += w;
+            req_len -= (size_t)w;
+            continue;
+        }
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+            *err = errno;
+            return SEND_CUT;
+        }
+        int ready = wait_fd(req_fd, POLLOUT, deadline);
+        if (ready <= 0) {
+            *err = ready < 0 ? errno : ETIMEDOUT;
+            return SEND_CUT;
+        }
+    }
+    return wait_fd(ans_fd, POLLIN, deadline) > 0 ? SEND_ANSWERED : SEND_LATE;
 }

@@ -57,12 +57,13 @@ class _Api(ctypes.Structure):
 class _Helper:
     """The loaded helper: its entry points and the XXH3 functions it calls."""
 
-    def __init__(self, fn: Any, scatter: Any, frame: Any, frame_write: Any, wait_flag: Any,
-                 api: _Api, keep: tuple[Any, ...]) -> None:  # fmt: skip
+    def __init__(self, fn: Any, scatter: Any, frame: Any, frame_write: Any, frame_send: Any,
+                 wait_flag: Any, api: _Api, keep: tuple[Any, ...]) -> None:  # fmt: skip
         self.fn = fn
         self.scatter = scatter
         self.frame = frame
         self.frame_write = frame_write
+        self.frame_send = frame_send
         self.wait_flag = wait_flag
         self.api = api
         self.keep = keep  # the libraries, loaded for as long as the helper is
@@ -137,9 +138,13 @@ def _load() -> _Helper:
     frame_write = lib.ucm_framewrite
     frame_write.argtypes = [ctypes.c_int, ctypes.c_size_t, *[p] * 11]
     frame_write.restype = ctypes.c_int
+    frame_send = lib.ucm_frame_send
+    frame_send.argtypes = [ctypes.c_size_t, *[p] * 7, ctypes.c_size_t, p, p, ctypes.c_int, p,
+                           ctypes.c_size_t, ctypes.c_int, ctypes.c_int64, p]  # fmt: skip
+    frame_send.restype = ctypes.c_int
     xxh = _xxh3_library()
     api = _Api(*[ctypes.cast(getattr(xxh, name), p).value for name in XXH3_SYMBOLS])
-    helper = _Helper(fn, scatter, frame, frame_write, wait, api, (lib, xxh))
+    helper = _Helper(fn, scatter, frame, frame_write, frame_send, wait, api, (lib, xxh))
     _self_test(helper)
     return helper
 
@@ -181,6 +186,27 @@ def _self_test(helper: _Helper) -> None:
     if digests != [framed] or copy != src:
         raise OSError(f"frame self-test failed: {digests} != {[framed]}")
     _self_test_file(helper, src, material, framed)
+    _self_test_send(helper, src, material, framed)
+
+
+def _self_test_send(helper: _Helper, src: memoryview, material: bytes, framed: int) -> None:
+    """:func:`frame_send` copies, writes the header, sends the request and sees the
+    answer waiting (a pipe each way)."""
+    request_r, request_w = os.pipe()
+    answer_r, answer_w = os.pipe()
+    try:
+        os.write(answer_w, b"!")
+        copy = memoryview(bytearray(len(src)))
+        head = memoryview(bytearray(8))
+        got = _frame_send(helper, [(copy, src, material, head, b"lead")], request_w,
+                          b"request", answer_r, 1.0)  # fmt: skip
+        sent = os.read(request_r, 64)
+    finally:
+        for fd in (request_r, request_w, answer_r, answer_w):
+            os.close(fd)
+    want = b"lead" + (framed & 0xFFFFFFFF).to_bytes(4, "little")
+    if got != (SEND_ANSWERED, [framed], 0) or copy != src or head != want or sent != b"request":
+        raise OSError(f"send self-test failed: {got}")
 
 
 def _self_test_file(helper: _Helper, src: memoryview, material: bytes, framed: int) -> None:
@@ -359,6 +385,68 @@ def _frame_write(helper: _Helper, fd: int, items: Sequence[FileFrameItem]) -> li
     if err:
         raise OSError(err, f"frame_write_many: writing fd {fd}: {os.strerror(err)}")
     return list(digest)
+
+
+#: What :func:`frame_send` did: copied, sent, the answer readable; copied, sent, no
+#: answer in time; copied, the request not written whole (the channel is unusable).
+SEND_ANSWERED, SEND_LATE, SEND_CUT = 0, 1, 2
+
+#: One value of :func:`frame_send`: (dst, src, the bytes whose XXH3-64 is the seed, where
+#: its record header goes (header bytes and 4 more), the header's bytes before its
+#: checksum).
+SendItem = tuple[memoryview, memoryview | bytes, bytes, memoryview, bytes]
+
+
+def frame_send(
+    items: Sequence[SendItem], request_fd: int, request: bytes, answer_fd: int,
+    timeout_s: float,
+) -> tuple[int, list[int], int] | None:  # fmt: skip
+    """A put's copies and its publish request in one call without the GIL: each value
+    copied and framed as :func:`frame_many` does, its record header (the bytes given,
+    then the low 32 bits of the checksum, little-endian) written into place, then
+    ``request`` written to ``request_fd`` and ``answer_fd`` waited on until it has
+    something to read, both within ``timeout_s``. (:data:`SEND_ANSWERED` /
+    :data:`SEND_LATE` / :data:`SEND_CUT`, the XXH3-64s, the errno of a write that
+    failed); None when nothing was done (no helper, a buffer without an address)."""
+    helper = _get()
+    if helper is None or not items:
+        return None
+    return _frame_send(helper, items, request_fd, request, answer_fd, timeout_s)
+
+
+def _frame_send(
+    helper: _Helper, items: Sequence[SendItem], request_fd: int, request: bytes,
+    answer_fd: int, timeout_s: float,
+) -> tuple[int, list[int], int] | None:  # fmt: skip
+    n = len(items)
+    dst = (ctypes.c_void_p * n)()
+    src = (ctypes.c_void_p * n)()
+    size = (ctypes.c_size_t * n)()
+    seed_src = (ctypes.c_void_p * n)()
+    seed_len = (ctypes.c_size_t * n)()
+    head_dst = (ctypes.c_void_p * n)()
+    head_src = (ctypes.c_void_p * n)()
+    digest = (ctypes.c_uint64 * n)()
+    head_len = len(items[0][4])
+    for i, (d, s, material, head, lead) in enumerate(items):
+        if len(s) != len(d) or len(lead) != head_len or len(head) != head_len + 4:
+            raise ValueError(f"frame_send: item {i}: dst {len(d)} bytes, src {len(s)}, "
+                             f"header {len(head)} for {len(lead)} + 4")  # fmt: skip
+        at, into = addresses(d, s), address(head)
+        if at is None or into is None:
+            return None
+        dst[i], src[i], size[i] = at[0], at[1], len(d)
+        seed_src[i], seed_len[i] = bytes_address(material), len(material)
+        head_dst[i], head_src[i] = into, bytes_address(lead)
+    err = ctypes.c_int(0)
+    code = helper.frame_send(
+        n, dst, src, size, seed_src, seed_len, head_dst, head_src, head_len,
+        ctypes.byref(helper.api), digest, request_fd, bytes_address(request), len(request),
+        answer_fd, int(timeout_s * 1e9), ctypes.byref(err),
+    )  # fmt: skip
+    if code < 0:
+        return None
+    return code, list(digest), err.value
 
 
 #: One value of :func:`scatter_verify_many`: (src, seed, want, target); the seed as in

@@ -24,9 +24,10 @@ import os
 from collections.abc import Sequence
 
 from ucm_patch.hooks.stores.base import StoreError
-from ucm_patch.hooks.stores.framing import HEADER_SIZE, copy_framed_many
+from ucm_patch.hooks.stores.framing import HEADER_SIZE, copy_framed_many, copy_framed_send
 from ucm_patch.hooks.stores.publish_channel import (
     MOST,
+    Answer,
     Fragment,
     PublishClient,
     is_beside_forward,
@@ -150,9 +151,53 @@ class TierBesideWrites(TierWrites):
             for lease in leases:
                 self._keep(lease, sizes[0])
             return left
-        self._write_parts(records, pending, parts)
-        self._publish_parts(publisher, records, pending, parts, sizes[-1])
+        if not self._write_and_publish(publisher, records, pending, parts, sizes[-1]):
+            self._write_parts(records, pending, parts)
+            self._publish_parts(publisher, records, pending, parts, sizes[-1])
         return left
+
+    def _write_and_publish(
+        self, publisher: PublishClient, records: Sequence[Record], pending: list[int],
+        parts: list[_Part], last: int,
+    ) -> bool:  # fmt: skip
+        """The put's copy and its publish request in one native call
+        (:func:`~.framing.copy_framed_send`): every record copied, framed and its header
+        written, then the request sent and its answer waited for, so that this thread
+        takes the GIL back once, when the answer is there. False when that cannot be (no
+        native helper, a buffer without an address, the channel not taking requests):
+        nothing was done, the caller copies and publishes the usual way."""
+        self.files.new_batch()
+        entries: list[tuple[bytes, memoryview, memoryview | bytes, memoryview, bytes]] = []
+        for part in parts:
+            if part.stop == part.first:
+                continue
+            view = self.files.mapping(part.lease.seg, part.end, write=True)
+            assert view is not None  # a spilling tier is mapped
+            off = part.lease.end
+            for i in pending[part.first : part.stop]:
+                digest, key, payload = records[i]
+                at = off + RECORD_HEADER
+                entries.append((key, view[at : at + len(payload)], payload,
+                                view[off:at], digest + _PAD))  # fmt: skip
+                off = (at + len(payload) + 63) & ~63
+        sent, spare = self._fragments(records, pending, parts)
+        secret = self.secret
+
+        def work(request: bytes, request_fd: int, answer_fd: int, timeout_s: float
+                 ) -> tuple[bool, bool] | None:  # fmt: skip
+            return copy_framed_send(entries, request, request_fd, answer_fd, timeout_s, secret)
+
+        try:
+            ran, answer = publisher.request_after(work, os.getpid(), [f for _p, f in sent],
+                                                  need=last, leases=spare)  # fmt: skip
+        except BaseException:
+            for part in parts:
+                self._seal_quietly(part.lease)
+            raise
+        if not ran:
+            return False
+        self._settle(parts, sent, answer, last)
+        return True
 
     def _write_parts(self, records: Sequence[Record], pending: list[int], parts: list[_Part]
                      ) -> None:  # fmt: skip
@@ -190,20 +235,18 @@ class TierBesideWrites(TierWrites):
                 raise StoreError(f"{self.name} tier: cannot write: {exc}") from exc
             raise
 
-    def _publish_parts(
-        self, publisher: PublishClient, records: Sequence[Record], pending: list[int],
-        parts: list[_Part], last: int,
-    ) -> None:  # fmt: skip
-        """Publish every part (a full one given back in its publish) in one request, which
-        also asks, once a segment was filled, for leases with room for a put like this
-        one (at most :data:`SPARE_SEGMENTS`), kept for the next; the writer publishes
-        itself when the channel cannot. A lease that took nothing is kept as it was."""
-        me, pack = os.getpid(), LOC.pack
+    def _fragments(
+        self, records: Sequence[Record], pending: list[int], parts: list[_Part]
+    ) -> tuple[list[tuple[_Part, Fragment]], int]:
+        """The publish of every part that took records or is full (a full one given back
+        in its publish), and the leases to ask for with them: once a segment was filled,
+        room for a put like this one (at most :data:`SPARE_SEGMENTS`), kept for the
+        next."""
+        pack = LOC.pack
         sent: list[tuple[_Part, Fragment]] = []
         for part in parts:
             seg, gen, end = part.lease.seg, part.lease.gen, part.lease.end
             if part.stop == part.first and not part.full:
-                self._keep(part.lease, last)
                 continue
             locs = []
             for i in pending[part.first : part.stop]:
@@ -216,10 +259,34 @@ class TierBesideWrites(TierWrites):
             wrote = sum([p.end - p.lease.end for p in parts])
             room = 0 if parts[-1].full else self.segment_bytes - parts[-1].end
             spare = min(SPARE_SEGMENTS, -(-(wrote - room) // self.segment_bytes))
-        answer = publisher.request(me, [f for _p, f in sent], need=last, leases=spare)
+        return sent, spare
+
+    def _publish_parts(
+        self, publisher: PublishClient, records: Sequence[Record], pending: list[int],
+        parts: list[_Part], last: int,
+    ) -> None:  # fmt: skip
+        """Publish every part in one request (:meth:`_fragments`); the writer publishes
+        itself when the channel cannot."""
+        sent, spare = self._fragments(records, pending, parts)
+        answer = publisher.request(os.getpid(), [f for _p, f in sent], need=last, leases=spare)
+        self._settle(parts, sent, answer, last)
+
+    def _settle(
+        self, parts: list[_Part], sent: list[tuple[_Part, Fragment]], answer: Answer | None,
+        last: int,
+    ) -> None:  # fmt: skip
+        """After the request of ``sent``: each publish the channel did not answer is done
+        here (as :meth:`TierWrites._publish` does); a part published is kept (or given
+        back when full), one lost is sealed; a lease that took nothing is kept as it was,
+        and the leases answered are kept for the next put."""
+        me = os.getpid()
         published: list[bool | None] = [None] * len(sent)
         if answer is not None:
             published = list(answer.published)
+        in_request = {id(p) for p, _f in sent}
+        for part in parts:
+            if id(part) not in in_request:
+                self._keep(part.lease, last)
         lost = []
         for at, ((part, (seg, gen, start, end, release, locs)), done) in enumerate(
             zip(sent, published, strict=True)
