@@ -131,14 +131,19 @@ def test_a_put_batch_is_copied_and_framed_in_one_call(tmp_path: Path, monkeypatc
     (the GIL given up once per batch); the frames are the ones ``make_header`` computes,
     so every reader (native or not) verifies them."""
     assert rowcopy.available()
-    calls: list[int] = []
+    calls: list[tuple[int, bool]] = []
     real = rowcopy._frame
-    monkeypatch.setattr(rowcopy, "_frame", lambda h, items: calls.append(len(items))
-                        or real(h, items))  # fmt: skip
+
+    def counted(h: object, items: list) -> list[int] | None:
+        got = real(h, items)  # None: it copied nothing, the store went value by value
+        calls.append((len(items), got is not None))
+        return got
+
+    monkeypatch.setattr(rowcopy, "_frame", counted)
     s = _store(tmp_path)
-    values = _row(4)
+    values = _row(4)  # bytes: read-only buffers, copied natively all the same
     assert all(s.put_many(list(values.items())))
-    assert calls == [4]
+    assert calls == [(4, True)]
     for key, value in values.items():
         loc = s.where(key)
         assert loc is not None and loc.tier == "memory"
