@@ -166,20 +166,11 @@ class TierBesideWrites(TierWrites):
         takes the GIL back once, when the answer is there. False when that cannot be (no
         native helper, a buffer without an address, the channel not taking requests):
         nothing was done, the caller copies and publishes the usual way."""
-        self.files.new_batch()
-        entries: list[tuple[bytes, memoryview, memoryview | bytes, memoryview, bytes]] = []
-        for part in parts:
-            if part.stop == part.first:
-                continue
-            view = self.files.mapping(part.lease.seg, part.end, write=True)
-            assert view is not None  # a spilling tier is mapped
-            off = part.lease.end
-            for i in pending[part.first : part.stop]:
-                digest, key, payload = records[i]
-                at = off + RECORD_HEADER
-                entries.append((key, view[at : at + len(payload)], payload,
-                                view[off:at], digest + _PAD))  # fmt: skip
-                off = (at + len(payload) + 63) & ~63
+        entries = [
+            (key, view[at : at + len(payload)], payload, view[at - RECORD_HEADER : at],
+             digest + _PAD)
+            for view, at, (digest, key, payload) in self._placed(records, pending, parts)
+        ]  # fmt: skip
         sent, spare = self._fragments(records, pending, parts)
         secret = self.secret
 
@@ -199,26 +190,34 @@ class TierBesideWrites(TierWrites):
         self._settle(parts, sent, answer, last)
         return True
 
+    def _placed(self, records: Sequence[Record], pending: list[int], parts: list[_Part]
+                ) -> list[tuple[memoryview, int, Record]]:  # fmt: skip
+        """Where each placed record goes, in order: its segment's mapping (a new batch
+        of them), where its payload starts there, the record."""
+        self.files.new_batch()
+        out: list[tuple[memoryview, int, Record]] = []
+        for part in parts:
+            if part.stop == part.first:
+                continue
+            view = self.files.mapping(part.lease.seg, part.end, write=True)
+            assert view is not None  # a spilling tier is mapped
+            off = part.lease.end
+            for i in pending[part.first : part.stop]:
+                record = records[i]
+                at = off + RECORD_HEADER
+                out.append((view, at, record))
+                off = (at + len(record[2]) + 63) & ~63
+        return out
+
     def _write_parts(self, records: Sequence[Record], pending: list[int], parts: list[_Part]
                      ) -> None:  # fmt: skip
         """Copy and frame every placed record into its lease's segment: one native call
         for all of them, else part by part the usual way (:meth:`TierWrites._write`)."""
-        self.files.new_batch()
         try:
-            copies: list[tuple[bytes, memoryview, memoryview | bytes]] = []
-            heads: list[tuple[memoryview, int, bytes]] = []  # segment, record start, digest
-            for part in parts:
-                if part.stop == part.first:
-                    continue
-                view = self.files.mapping(part.lease.seg, part.end, write=True)
-                assert view is not None  # a spilling tier is mapped
-                off = part.lease.end
-                for i in pending[part.first : part.stop]:
-                    digest, key, payload = records[i]
-                    at = off + RECORD_HEADER
-                    heads.append((view, off, digest))
-                    copies.append((key, view[at : at + len(payload)], payload))
-                    off = (at + len(payload) + 63) & ~63
+            placed = self._placed(records, pending, parts)
+            copies = [(key, view[at : at + len(payload)], payload)
+                      for view, at, (_digest, key, payload) in placed]  # fmt: skip
+            heads = [(view, at - RECORD_HEADER, digest) for view, at, (digest, _k, _p) in placed]
             headers = copy_framed_many(copies, self.secret)
             if headers is None:  # no native helper: part by part
                 for part in parts:
