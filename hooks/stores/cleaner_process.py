@@ -85,15 +85,22 @@ class SpillThread:
         self._memory, self._warn, self._done = memory, warn, done
         self._pool = ThreadPoolExecutor(1, "ucm-spill")
         self._running: Future[None] | None = None
+        self._stamp = 0  # the last use of the segment the running spill empties
 
     def running(self) -> bool:
         """Whether a spill runs now (the cleaner then waits for ``done``, not a poll)."""
         return self._running is not None and not self._running.done()
 
+    def spilling(self) -> int | None:
+        """The last use of the segment being spilled, None when no spill runs
+        (:func:`~.segment_cleaner.refill_two` empties nothing newer meanwhile)."""
+        return self._stamp if self.running() else None
+
     def start(self, victim: tuple[int, int, Any]) -> bool:
         """Start spilling ``victim``: False (nothing started) while a spill runs."""
         if self.running():
             return False
+        self._stamp = victim[0]
         self._running = self._pool.submit(self._spill, victim)
         self._running.add_done_callback(lambda _f: self._done())  # once running() is False
         return True
@@ -200,7 +207,13 @@ def main(args: dict[str, Any]) -> None:
             moved, seen_disk = disk_stamps != seen_disk, disk_stamps
             try:
                 unfinished = refill_two(
-                    memory, disk, stopping, reserve, moved or unfinished, spills.start
+                    memory,
+                    disk,
+                    stopping,
+                    reserve,
+                    moved or unfinished,
+                    spills.start,
+                    spills.spilling,
                 )
             except (StoreError, OSError) as exc:
                 unfinished = True

@@ -148,10 +148,9 @@ def _weak_spill(store: LocalStore) -> Spill:
     warmer keep allocating) until the cycle collector ran."""
     method = weakref.WeakMethod(store._spill)
 
-    def spill(view: memoryview, live: list[Held], stamp: int) -> None:
+    def spill(view: memoryview, live: list[Held], stamp: int) -> bool:
         target = method()
-        if target is not None:
-            target(view, live, stamp)
+        return target is not None and target(view, live, stamp)
 
     return spill
 

@@ -127,6 +127,9 @@ class LocalWrites(KVStore):
             if memory is None:
                 return self.disk.put(records)
             tried_around = self._around and self._may_go_around()
+            if self._around and not tried_around:  # back to the memory tier: see _write_around
+                self._around = False
+                self.disk.let_go()
             if tried_around:
                 done = [False] * len(records)
                 self._write_around(records, list(range(len(records))), done)
@@ -165,20 +168,27 @@ class LocalWrites(KVStore):
         is full, and only then goes back to the memory tier: a segment then holds values
         put one after the other, so that the cleaner's one recency order over both tiers
         (:func:`~.segment_cleaner.refill_two`, by segment) is the order they were put in.
-        Alternating per put, each segment would mix older and newer values."""
+        Alternating per put, each segment would mix older and newer values. For the
+        same reason the tier left is let go of (:meth:`~.tier_leases.TierLeases.let_go`):
+        the segment this process appended to there is not appended to again once values
+        went into the other tier."""
         had = self._around
         stored = self.disk.put([records[i] for i in todo], evict=False)
         for i, ok in zip(todo, stored, strict=True):
             done[i] = ok
         self._around = self.disk.holds_kept_lease()
+        assert self.memory is not None
+        if any(stored) and not had:
+            self.memory.let_go()
+        if not self._around:
+            self.disk.let_go()
         if not (had and self._around and all(stored)):
             # a ready disk segment was taken (or none was left): its process refills the
             # disk tier's reserve too; a put into the segment it kept takes none
-            assert self.memory is not None
             self.memory.cleaner.wake()
         if any(stored):
             self._count(written_around=sum(stored))
 
-    def _spill(self, view: memoryview, live: list[Held], stamp: int) -> None:
+    def _spill(self, view: memoryview, live: list[Held], stamp: int) -> bool:
         """A memory segment's values leaving it go to the disk tier (:meth:`Tier.take_spill`)."""
-        self.disk.take_spill(view, live, stamp)
+        return self.disk.take_spill(view, live, stamp)

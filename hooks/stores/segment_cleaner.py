@@ -129,6 +129,7 @@ def refill_two(
     disk_reserve: int | None = None,
     disk_moved: bool = True,
     start_spill: Callable[[tuple[int, int, Any]], bool] | None = None,
+    spilling: Callable[[], int | None] | None = None,
 ) -> bool:
     """Keep both reserves full, the memory tier's and ``disk_reserve`` segments of the
     disk tier's (None: :func:`around_reserve`; 0 where no put goes around: a disk tier
@@ -157,7 +158,11 @@ def refill_two(
     by it: False when one is still running, so that this call returns with work left
     and its caller keeps refilling the disk tier's reserve by drops meanwhile (a spill
     copies a whole segment at a low priority; puts written around a dry memory tier
-    take from that reserve). None: spilled here."""
+    take from that reserve). None: spilled here. ``spilling``: the last use of the
+    segment whose spill runs there (None: none runs). While it runs, no segment used
+    more recently is emptied: that one is the store's oldest, and emptying a newer one
+    first would evict newer values while older ones stay (a spill starved of CPU runs
+    long). Puts then go around the memory tier, or are skipped, until it ends."""
     if disk_reserve is None:
         disk_reserve = around_reserve(disk.count)
     for _ in range(_MOST_PER_CALL):
@@ -175,14 +180,19 @@ def refill_two(
             return False
         oldest_m = m_victims[0] if m_victims else None
         oldest_d = d_victims[0] if d_victims else None
+        in_flight = spilling() if spilling is not None else None
         if oldest_m is not None and (oldest_d is None or oldest_m[0] <= oldest_d[0]):
             # the store's oldest segment is in memory: spilled while the disk has room
             # beyond its reserve, dropped once the disk would evict newer values for it
             if d_ready <= disk_reserve:
+                if in_flight is not None and oldest_m[0] > in_flight:
+                    return True  # the one being spilled is older: it goes first
                 memory.empty_segment(oldest_m, drop=True)
             elif not _spill(memory, oldest_m, start_spill):
                 return True
         elif disk_short and oldest_d is not None:
+            if in_flight is not None and oldest_d[0] > in_flight:
+                return True
             disk.empty_segment(oldest_d, drop=True)
         elif oldest_m is not None:  # newer than the disk's oldest, which the spill evicts
             if not _spill(memory, oldest_m, start_spill):

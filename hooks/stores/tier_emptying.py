@@ -139,8 +139,9 @@ class TierEmptying:
             view = self.files.mapping(seg, end)
             if view is None:
                 view = memoryview(self.files.read(seg, 0, end))
-            self.spill(view[:end], live, self._ticks[seg])
-            return len(live), 0
+            if self.spill(view[:end], live, self._ticks[seg]):
+                return len(live), 0
+            return 0, len(live)  # older than any segment the spill could go to: evicted
         except (StoreError, CorruptValue, OSError) as exc:
             self._warn.warning(
                 "spill", "%s tier: spilling segment %d failed: %s", self.name, seg, exc
@@ -253,7 +254,10 @@ class TierEmptying:
         lease: the caller then spills value by value. StoreError when the write fails
         (ENOSPC: least recently used segments are emptied and it is tried once more).
         ``stamp``: the spilled segment's last use, which the segment here takes
-        (:meth:`_leased`); None: now."""
+        (:meth:`_leased`); None: now. With ``stamp``, a segment here is emptied for the
+        spill only when it was used less recently than the spilled one (the cleaner's
+        choice to spill rather than drop, :func:`~.segment_cleaner.refill_two`, was made
+        before puts written around took the segments then ready)."""
         n = len(src)
         if n > self.segment_bytes or n & 63:
             return False
@@ -300,12 +304,15 @@ class TierEmptying:
         else:
             self.files.start_writeback(seg, start, len(src))
 
-    def take_spill(self, view: memoryview, live: list[Held], stamp: int | None = None) -> None:
+    def take_spill(self, view: memoryview, live: list[Held], stamp: int | None = None) -> bool:
         """The :data:`Spill` of the tier above (the memory tier over the disk tier): a
         segment in one write (:meth:`adopt`), or value by value when this tier's segments
-        are smaller (a directory created with an older size). The first value wins."""
-        if self.adopt(view, live, stamp):
-            return
+        are smaller (a directory created with an older size). The first value wins.
+        False: not taken, as every segment here is newer than the spilled one (``stamp``)
+        and none is ready, or every one is a live process's lease: its values are the
+        store's oldest, dropped by the recency order (the caller counts them evicted)."""
+        if len(view) <= self.segment_bytes and not len(view) & 63:
+            return self.adopt(view, live, stamp)
         records: list[Record] = [
             (d, bytes(view[off + FRAME_AT : off + RECORD_HEADER]),
              view[off + RECORD_HEADER : off + FRAME_AT + size])
@@ -313,6 +320,7 @@ class TierEmptying:
         ]  # fmt: skip
         present = self.lookup([d for d, _h, _p in records])
         self.put([r for r, loc in zip(records, present, strict=True) if loc is None], framed=True)
+        return True
 
 
 __all__ = ["TierEmptying"]

@@ -100,6 +100,20 @@ class TierLeases:
         for lease in idle:
             self._seal_quietly(lease)
 
+    def let_go(self) -> None:
+        """This process stops appending here for now (its puts go to the other tier): its
+        kept leases are given back and its last segment forgotten, so that its next put
+        here starts a segment of its own. Appended to later, a segment would hold values
+        older and newer than the ones put meanwhile into the other tier, and eviction,
+        which is by segment, would then drop newer values before older ones."""
+        with self._kept_lock:
+            kept: list[Lease] = []
+            if self._kept_pid == os.getpid():
+                kept, self._kept = self._kept, []
+        for lease in kept:
+            self._seal_quietly(lease)
+        self._last = None
+
     def holds_kept_lease(self) -> bool:
         """Whether this process keeps a lease here for its next put (one with room)."""
         with self._kept_lock:
@@ -120,7 +134,7 @@ class TierLeases:
         if self._still_dry():
             return None
         last = self._last  # the segment this process appended to last, as it left it
-        if last is not None and last.end + need <= self.segment_bytes:
+        if last is not None and stamp is None and last.end + need <= self.segment_bytes:
             gen = self.index.claim(last.seg, SegRow(last.gen, last.end, 0), me, empty=False)
             if gen is not None:  # untouched since: no scan of the segment table
                 return self._leased(last.seg, gen, last.end, stamp=stamp)
@@ -137,7 +151,7 @@ class TierLeases:
         for _attempt in range(16):
             rows = self.index.segments()
             free = self._free(rows, me)
-            pick = self._pick(rows, free, need)
+            pick = self._pick(rows, free, need, self._appends(evict, stamp))
             if pick is not None:
                 seg, row, ready = pick
                 gen = self.index.claim(seg, row, me, empty=row is None)
@@ -149,7 +163,9 @@ class TierLeases:
                 break
             if self.spill is not None or not evict:
                 break  # the reserve ran dry: skipped, never a spill on this thread
-            _tick, seg, row = min(free)
+            tick, seg, row = min(free)
+            if stamp is not None and tick > stamp:
+                break  # a spill's values are older than any here: evicted, not these
             gen = self._empty(seg, row, remove=False)
             if gen is not None:
                 return self._leased(seg, gen, 0, stamp=stamp)
@@ -175,13 +191,31 @@ class TierLeases:
             if seg < self.count and _takeable(row, owner)
         ]
 
+    def _appends(self, evict: bool = True, stamp: int | None = None) -> bool:
+        """Whether a lease may be a segment another lease left with room, appended to.
+
+        Only in a tier that does not spill, for a put that may evict: a disk tier's own
+        puts, not its spills or values written around the memory tier above it.
+        Eviction is by segment, so the values of one
+        segment must be of one age: a spill (``stamp``) appended to a segment holding
+        newer values would take their recency, a put appended to a spilled or
+        written-around segment (``evict=False``), or to one of the memory tier left
+        while this process wrote around it, would give older values its own.
+        """
+        return self.spill is None and evict and stamp is None
+
     def _pick(
-        self, rows: dict[int, SegRow], free: list[tuple[int, int, SegRow]], need: int
+        self,
+        rows: dict[int, SegRow],
+        free: list[tuple[int, int, SegRow]],
+        need: int,
+        appends: bool,
     ) -> tuple[int, SegRow | None, bool] | None:
-        """The segment to claim, in order of choice: the most recently used one with room
-        for ``need`` bytes, else a never-used one, else one emptied ahead (the reserve):
-        (segment, its row, or None for a never-used one, ready). None: none of those."""
-        room = [f for f in free if f[2].end and f[2].end + need <= self.segment_bytes]
+        """The segment to claim, in order of choice: with ``appends`` the most recently
+        used one with room for ``need`` bytes, else a never-used one, else one emptied
+        ahead (the reserve): (segment, its row, or None for a never-used one, ready).
+        None: none of those."""
+        room = [f for f in free if appends and f[2].end and f[2].end + need <= self.segment_bytes]
         if room:
             _tick, seg, row = max(room)
             return seg, row, False
@@ -200,7 +234,7 @@ class TierLeases:
         generation, end, ready), or None when none is ready."""
         for _attempt in range(16):
             rows = self.index.segments()
-            pick = self._pick(rows, self._free(rows, owner), need)
+            pick = self._pick(rows, self._free(rows, owner), need, self._appends())
             if pick is None:
                 return None
             seg, row, ready = pick

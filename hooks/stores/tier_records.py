@@ -24,8 +24,9 @@ Held = tuple[bytes, int, int]
 #: Takes a segment being emptied: its records from offset 0 to the end of the last live
 #: one, the live ones among them (:meth:`~.tier_emptying.TierEmptying.adopt` writes them
 #: in one copy), and the segment's last use (its place in the recency order, which the
-#: copy keeps).
-Spill = Callable[[memoryview, list[Held], int], None]
+#: copy keeps). False: not taken, the values being older than all the tier below holds
+#: (evicted by the recency order).
+Spill = Callable[[memoryview, list[Held], int], bool]
 
 
 def record_bytes(payload: int) -> int:
