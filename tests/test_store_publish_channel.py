@@ -24,6 +24,7 @@ from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.local import LocalStore
 from ucm_patch.hooks.stores.publish_channel import (
     CHANNELS,
+    PublishChannels,
     PublishClient,
     beside_forward,
     is_beside_forward,
@@ -245,6 +246,49 @@ def test_a_channel_not_serving_yet_waits_for_nobody(index: SegmentIndex) -> None
         assert chan.client.publish(1, gen, os.getpid(), _locs(1, gen, 2), 0, 256) is True
     finally:
         chan.close()
+
+
+def test_waiting_for_the_channels_to_serve(index: SegmentIndex) -> None:
+    """PublishChannels.wait_serving: False while a channel's process has not answered its
+    first (number 0), True once every one has, whether read yet or not."""
+    chans = [_Channel(index, start=False) for _ in range(2)]
+    channels = PublishChannels([])
+    channels.clients = [c.client for c in chans]
+    try:
+        t = time.perf_counter()
+        assert channels.wait_serving(0.2) is False
+        assert time.perf_counter() - t >= 0.15
+        chans[0].thread.start()
+        assert channels.wait_serving(0.2) is False  # the second one still does not serve
+        chans[1].thread.start()
+        assert channels.wait_serving(10) is True
+        assert all(c.client._owed == 0 for c in chans)  # its answer is left to be read
+        gen = index.claim(1, None, os.getpid(), empty=True)
+        assert chans[0].client.publish(1, gen, os.getpid(), _locs(1, gen, 2), 0, 256) is True
+        assert chans[0].client._owed is None and channels.wait_serving(0) is True
+    finally:
+        for c in chans:
+            c.close()
+
+
+def test_a_store_waits_for_its_cleaner_process_to_serve(tmp_path: Path) -> None:
+    """LocalStore.wait_writes_ready after prepare_writes: True once the cleaner process
+    answers on every channel (a put beside the forward then publishes through it at
+    once); True at once for a store without a memory tier (no process to wait for)."""
+    s = open_store(tmp_path)
+    try:
+        s.prepare_writes()
+        assert s.memory is not None and s.memory.cleaner.publishers is not None
+        assert s.wait_writes_ready(30) is True
+        for client in s.memory.cleaner.publishers.clients:
+            with client._lock:
+                client._catch_up()
+            assert client._owed is None, "a channel said to serve had not answered"
+    finally:
+        s.close()
+    disk_only = LocalStore(tmp_path / "disk", capacity_bytes=8 * SEG, segment_bytes=SEG)
+    assert disk_only.wait_writes_ready(0) is True
+    disk_only.close()
 
 
 class _Slow:

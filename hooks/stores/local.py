@@ -391,6 +391,14 @@ class LocalStore(LocalWrites, LocalReads):
         if self.memory is not None:
             self.memory.cleaner.ensure_started()
 
+    def wait_writes_ready(self, timeout: float = 30.0) -> bool:
+        """Wait until what :meth:`prepare_writes` started serves (the cleaner process
+        answers on its publish channels): False on timeout. For benchmarks and tools
+        whose first put follows the store's opening at once; the connector never waits
+        for it (its first dumps publish themselves meanwhile)."""
+        self._check_open()
+        return self.memory is None or self.memory.cleaner.wait_serving(timeout)
+
     def close(self, spill_s: float | None = None) -> None:
         """Refuse further operations and release handles. Values stay: in the disk tier,
         and in the memory tier while another process uses it.

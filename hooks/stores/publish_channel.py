@@ -398,6 +398,21 @@ class PublishChannels:
             self._mine.client = client
         return client
 
+    def wait_serving(self, timeout: float) -> bool:
+        """Wait until the cleaner process serves every channel (its first answer is
+        there to read, or was read): False on timeout. Nothing waits for this on the
+        dump path, which publishes itself meanwhile; a benchmark whose process starts
+        its first dump right after the store opened calls it, as in vLLM, where loading
+        the model separates the connector's start from the first dump."""
+        deadline = time.monotonic() + timeout
+        for client in self.clients:
+            if client._owed != 0 or client.broken:
+                continue  # answered already (or given up on: nothing to wait for)
+            left = max(0.0, deadline - time.monotonic())
+            if not select.select([client._answer_fd], [], [], left)[0]:
+                return False
+        return True
+
     @property
     def sent(self) -> int:
         """Requests answered, on every channel (tests, tools)."""

@@ -393,6 +393,13 @@ class SegmentCleaner:
         self._ender = weakref.finalize(tier, _end, proc, os.getpid(), pipe, publisher)
         return proc
 
+    def wait_serving(self, timeout: float = 30.0) -> bool:
+        """Wait until the cleaner process serves this process's publishes and leases
+        (:meth:`~.publish_channel.PublishChannels.wait_serving`): True at once where
+        there is none to wait for (no process: a thread does its work)."""
+        channels = self.publishers
+        return channels is None or channels.wait_serving(timeout)
+
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Wait until the reserve is full or nothing more can be emptied now (tests,
         tools, benchmarks that start on a quiet store): False on timeout."""
