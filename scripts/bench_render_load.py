@@ -3,6 +3,7 @@ side measured on CPU, against the targets a GPU hit needs of it (docs/GPU.md).""
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import bench_common as bc
@@ -60,6 +61,14 @@ def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, st
             ("dump proxy, GIL waits per value beside a Python thread", "(information)",
              f"{u['gil_waits_per_value']:.2f}", "(information)"),
         ]  # fmt: skip
+        firsts = dumps.get("firsts") or []
+        if len(firsts) > 1:  # the spread behind the median first pass
+            steady = statistics.median(p["wall_s"] for p in dumps["alone"]) * 1e3
+            each = ", ".join(f"{f['wall_s'] * 1e3:.0f}" for f in firsts)
+            rows.append(
+                ("dump proxy, each process's first dump and the steady median, ms",
+                 "(information)", f"{each}; {steady:.0f}", "(information)")
+            )  # fmt: skip
         if "beside_hog_share" in u:  # the ceiling the host's cores set on the first row
             rows.append(
                 ("dump proxy, beside a process taking a core (no GIL of ours) vs alone; the "
