@@ -250,8 +250,9 @@ class TierEmptying:
         index transaction publishing ``live`` at the same offsets (shifted by where the
         write went; a key already current here keeps its value). Its other records are
         written too but never published (dead bytes until the segment is reused). False
-        when ``src`` is larger than a segment here or every segment is a live process's
-        lease: the caller then spills value by value. StoreError when the write fails
+        when ``src`` does not fit a segment here (:meth:`take_spill` then spills value by
+        value), or no segment here may take it: every one a live process's lease, or
+        (with ``stamp``) none ready and none used less recently. StoreError when the write fails
         (ENOSPC: least recently used segments are emptied and it is tried once more).
         ``stamp``: the spilled segment's last use, which the segment here takes
         (:meth:`_leased`); None: now. With ``stamp``, a segment here is emptied for the

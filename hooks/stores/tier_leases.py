@@ -196,12 +196,11 @@ class TierLeases:
 
         Only in a tier that does not spill, for a put that may evict: a disk tier's own
         puts, not its spills or values written around the memory tier above it.
-        Eviction is by segment, so the values of one
-        segment must be of one age: a spill (``stamp``) appended to a segment holding
-        newer values would take their recency, a put appended to a spilled or
-        written-around segment (``evict=False``), or to one of the memory tier left
-        while this process wrote around it, would give older values its own.
-        """
+        Eviction is by segment, so the values of one segment must be of one age: a
+        spill (``stamp``) appended to a segment holding newer values would take their
+        recency, and a put appended to a spilled or written-around segment
+        (``evict=False``), or to one of the memory tier left while this process wrote
+        around it, would give older values its own."""
         return self.spill is None and evict and stamp is None
 
     def _pick(
