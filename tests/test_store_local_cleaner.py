@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,31 @@ def _store(root: Path, disk_segments: int = 64) -> LocalStore:
         root / "kv", capacity_bytes=disk_segments * SEG, memory_bytes=8 * SEG,
         memory_path=root / "shm", segment_bytes=SEG,
     )  # fmt: skip
+
+
+def _put_driven(store: LocalStore, keys: list[str], before: Callable[[], None] | None = None
+                ) -> None:  # fmt: skip
+    """Put each key, the cleaner driven here: a put the store did not take is put again
+    after one refill (``refill_two``); ``before`` runs ahead of each key's put."""
+    assert store.memory is not None
+    refills = 0
+    for k in keys:
+        if before is not None:
+            before()
+        while store.put_many([(k, value_of(k))]) != [True]:
+            segment_cleaner.refill_two(store.memory, store.disk)
+            refills += 1
+            assert refills < 100 * len(keys), "the store never took the put"
+
+
+def _newest_readable(store: LocalStore, keys: list[str]) -> list[int]:
+    """The indexes of ``keys`` readable, each with its own value, asserted to be the newest
+    ones in put order (a suffix): a newer value was never lost before an older one."""
+    got = store.get_many(keys)
+    readable = [i for i, v in enumerate(got) if v is not None]
+    assert all(got[i] == value_of(keys[i]) for i in readable)
+    assert readable == list(range(readable[0], len(keys))), "a newer value was lost"
+    return readable
 
 
 def _put_all(store: LocalStore, keys: list[str]) -> None:
@@ -396,16 +422,8 @@ def test_recency_holds_across_tiers_with_puts_written_around(tmp_path: Path, mon
     monkeypatch.setattr(s._dirty, "room", lambda: True)
     assert s.memory is not None
     keys = [f"w{i}" for i in range(12 * 8 * PER_SEG)]
-    refills = 0
-    for k in keys:
-        while s.put_many([(k, value_of(k))]) != [True]:
-            segment_cleaner.refill_two(s.memory, s.disk)
-            refills += 1
-            assert refills < 100 * len(keys), "the store never took the put"
-    got = s.get_many(keys)
-    readable = [i for i, v in enumerate(got) if v is not None]
-    assert all(got[i] == value_of(keys[i]) for i in readable)
-    assert readable == list(range(readable[0], len(keys))), "a newer value was lost"
+    _put_driven(s, keys)
+    readable = _newest_readable(s, keys)
     assert len(readable) > 8 * PER_SEG
     assert s.stats["written_around"] > 0 and s.stats["spilled"] > 0
     assert s.memory.evictions > 0, "no memory segment was dropped for being the oldest"
@@ -426,17 +444,12 @@ def test_recency_holds_when_puts_switch_tiers_mid_segment(tmp_path: Path, monkey
     # around allowed for 3 puts of every 5: a switch every few values, mid-segment
     monkeypatch.setattr(s._dirty, "room", lambda: puts[0] % 5 < 3)
     keys = [f"s{i}" for i in range(12 * 8 * PER_SEG)]
-    refills = 0
-    for k in keys:
+
+    def count() -> None:
         puts[0] += 1
-        while s.put_many([(k, value_of(k))]) != [True]:
-            segment_cleaner.refill_two(s.memory, s.disk)
-            refills += 1
-            assert refills < 100 * len(keys), "the store never took the put"
-    got = s.get_many(keys)
-    readable = [i for i, v in enumerate(got) if v is not None]
-    assert all(got[i] == value_of(keys[i]) for i in readable)
-    assert readable == list(range(readable[0], len(keys))), "a newer value was lost"
+
+    _put_driven(s, keys, count)
+    readable = _newest_readable(s, keys)
     assert len(readable) > 8 * PER_SEG
     assert s.stats["written_around"] > 0 and s.stats["spilled"] > 0
     s.close()
@@ -485,10 +498,7 @@ def test_without_a_cleaner_process_a_thread_keeps_the_same_order(
     keys = [f"t{i}" for i in range(12 * 8 * PER_SEG)]
     _put_all(s, keys)
     assert s.memory is not None and s.memory.cleaner.pid is None
-    got = s.get_many(keys)
-    readable = [i for i, v in enumerate(got) if v is not None]
-    assert all(got[i] == value_of(keys[i]) for i in readable)
-    assert readable == list(range(readable[0], len(keys))), "a newer value was lost"
+    readable = _newest_readable(s, keys)
     assert len(readable) > 8 * PER_SEG and s.stats["evictions"] > 0
     s.close()
 
@@ -689,10 +699,7 @@ def test_values_stay_readable_until_evicted_by_recency(tmp_path: Path) -> None:
     s = _store(tmp_path, disk_segments=16)
     keys = [f"r{i}" for i in range(10 * 8 * PER_SEG)]
     _put_all(s, keys)
-    got = s.get_many(keys)
-    readable = [i for i, v in enumerate(got) if v is not None]
-    assert all(got[i] == value_of(keys[i]) for i in readable)
-    assert readable == list(range(readable[0], len(keys))), "a newer value was lost"
+    readable = _newest_readable(s, keys)
     assert len(readable) > 8 * PER_SEG
     s.close()
 
