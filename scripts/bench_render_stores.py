@@ -258,22 +258,21 @@ def _store_profile(label: str, sd: dict[str, Any]) -> list[str]:
     def us(xs: list[float] | None) -> float | None:
         return size / (statistics.median(xs) * (1 << 20)) * 1e6 if xs else None
 
-    from ucm_patch.hooks.stores.tier import PIECE
-
     copy = us(res["memcpy"]["memcpy into preallocated"])
     xxh = us(res["memcpy"]["xxh3 (the frame checksum)"])
     rows = []
     for name in ("memory tier", "disk tier"):
-        # the memory tier frames on its copy in one native call; the disk tier's large
-        # values are copied on the sidecar beside the checksum
-        beside = name == "disk tier" and size >= PIECE
+        # the memory tier frames on its copy in one native call; the disk tier (a store
+        # with no memory tier) hashes its batches on the process's checksum helper thread
+        # while the put's thread writes them (rowcopy.c: ucm_framewrite)
+        beside = name == "disk tier"
         for op in ("put", "get_into"):
             t = us(res.get(name, {}).get(op))
             if t is None or copy is None or xxh is None:
                 continue
             if op != "put":
                 hashed, rest = "(on the copy)", t - copy
-            elif beside:  # the copy runs on the sidecar while the checksum runs here
+            elif beside:
                 hashed, rest = f"{xxh:.1f}, beside the copy", t - max(copy, xxh)
             else:
                 hashed, rest = f"{xxh:.1f}", t - copy - xxh

@@ -172,8 +172,8 @@ def test_a_disk_put_batch_is_hashed_and_written_in_one_call(tmp_path: Path, monk
     assert rowcopy.available()
     calls: list[int] = []
     real = rowcopy._frame_write
-    monkeypatch.setattr(rowcopy, "_frame_write", lambda h, fd, items: calls.append(len(items))
-                        or real(h, fd, items))  # fmt: skip
+    monkeypatch.setattr(rowcopy, "_frame_write", lambda h, fd, items, *a: calls.append(len(items))
+                        or real(h, fd, items, *a))  # fmt: skip
 
     def no_sidecar() -> None:
         raise AssertionError("a disk put started the sidecar")

@@ -280,14 +280,14 @@ def copy_framed_send(
 
 def write_framed_many(
     fd: int, entries: Sequence[tuple[bytes, bytes, int, memoryview | bytes]],
-    secret: bytes | None = None,
+    secret: bytes | None = None, beside: bool = False,
 ) -> bool:  # fmt: skip
     """For each (key, lead, at, payload): the bytes ``lead``, the payload's frame header
     and the payload, written into the file ``fd`` from ``at`` on, every value in one call
     (:func:`.rowcopy.frame_write_many`: the payload hashed and written piece by piece,
-    the GIL given up once). False where that cannot be (as :func:`copy_framed_many`):
-    nothing written, the caller writes the usual way. An ``OSError`` of a write is
-    raised."""
+    the GIL given up once; ``beside``: hashed on the process's checksum helper thread
+    meanwhile). False where that cannot be (as :func:`copy_framed_many`): nothing
+    written, the caller writes the usual way. An ``OSError`` of a write is raised."""
     if secret is not None or _xxh3_64_int is None:
         return False
     items = []
@@ -295,7 +295,7 @@ def write_framed_many(
         prefix = _prefixes.get(len(payload)) or _unkeyed_prefix(len(payload))
         header = bytearray(lead + prefix + bytes(4))
         items.append((at + len(header), payload, prefix + key, header, len(header) - 4, at))
-    return rowcopy.frame_write_many(fd, items) is not None
+    return rowcopy.frame_write_many(fd, items, beside) is not None
 
 
 def copy_verified(

@@ -256,6 +256,8 @@ class LocalStore(LocalWrites, LocalReads):
             # the row helper built or loaded now, not in the first hit's read
             rowcopy.available()
         self.tiers: tuple[Tier, ...] = (self.memory, self.disk) if self.memory else (self.disk,)
+        # a second core hashes the disk tier's puts where no cleaner process needs it
+        self.disk.hash_beside = self.memory is None
         self.capacity_bytes = self.disk.capacity_bytes
         self.fsync = fsync
         self._dirty = DirtyGauge()

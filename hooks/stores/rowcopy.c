@@ -11,6 +11,9 @@
  * taken from the xxhash extension the store already imports, so nothing is linked here. */
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -251,39 +254,284 @@ static int write_all(int fd, const char *buf, size_t len, int64_t offset)
     return 0;
 }
 
+/* ---- The checksum helper: a file put's hashing on a second core -------------------
+ *
+ * Why: a put into the disk tier is a checksum pass over the payload (XXH3, bound by
+ * memory bandwidth: it reads each byte from memory) and a pwrite whose copy into the
+ * page cache the kernel makes on the writer's thread. One thread does them one after
+ * the other; the checksum is a third of the time. The helper is one thread per process
+ * that hashes a batch's values while the writer writes them.
+ *
+ * The writer never waits for the helper to start: a value the helper has not begun by
+ * the time the writer needs its checksum is taken back (QUEUED -> TAKEN) and hashed by
+ * the writer. So on a host whose cores are all busy (several writers, the cleaner) the
+ * helper rarely runs and nothing is lost but one wake-up per batch; with a core free,
+ * the checksum costs the writer nothing. The writer waits only for a value the helper
+ * is hashing (RUNNING), because the helper reads the writer's source buffers: no call
+ * returns while the helper reads one of its values.
+ *
+ * One batch at a time: a writer that finds the helper holding another batch (another
+ * thread's, or the end of its own previous one) does its batch alone. A batch has two
+ * holders, its writer and the helper; each lets go when done with it, the writer without
+ * waiting for the helper to have looked at the rest, and the last one frees the jobs
+ * for the next batch (so neither reads a job another writer has refilled). */
+#define HELP_MAX 64                        /* values of one batch the helper can take */
+#define HELP_MIN_BYTES ((size_t)256 << 10) /* below this a wake-up costs what it saves */
+#define WRITE_PIECE ((size_t)1 << 20)      /* a core's L2: hashed, then written from it */
+
+enum { JOB_QUEUED, JOB_RUNNING, JOB_DONE, JOB_TAKEN };
+enum { HELPER_IDLE, HELPER_FILLING, HELPER_POSTED, HELPER_BUSY };
+
+struct hash_job {
+    const char *src;
+    size_t len;
+    const char *seed_src;
+    size_t seed_len;
+    uint64_t digest;
+    int state;
+};
+
+static struct {
+    pthread_mutex_t lock; /* guards the wake-up: phase POSTED and the signal */
+    pthread_cond_t wake;
+    pid_t pid;            /* the process whose helper thread runs (none after a fork) */
+    int failed;           /* no thread could be made: never tried again in this process */
+    int enabled;
+    int phase;            /* HELPER_*: whether a batch holds job[] and n */
+    int holders;          /* of the batch posted: its writer, the helper (2, 1, 0) */
+    size_t n;
+    const struct xxh3_api *api;
+    struct hash_job job[HELP_MAX];
+    uint64_t posted, hashed, taken; /* batches given, values it hashed, values taken back */
+} helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 1, HELPER_IDLE, 0, 0,
+            NULL, {{0}}, 0, 0, 0};
+
+/* One holder of the posted batch is done with it; the last frees the jobs. */
+static void helper_release_batch(void)
+{
+    if (__atomic_sub_fetch(&helper.holders, 1, __ATOMIC_ACQ_REL) == 0)
+        __atomic_store_n(&helper.phase, HELPER_IDLE, __ATOMIC_RELEASE);
+}
+
+static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
+
+/* In a forked child (one thread, the helper left behind): a fresh lock, no helper yet. */
+static void helper_forked(void)
+{
+    pthread_mutex_init(&helper.lock, NULL);
+    pthread_cond_init(&helper.wake, NULL);
+    helper.pid = 0;
+    helper.failed = 0;
+    helper.phase = HELPER_IDLE;
+    helper.holders = 0;
+    helper.posted = helper.hashed = helper.taken = 0;
+}
+
+static void helper_register(void) { pthread_atfork(NULL, NULL, helper_forked); }
+
+static void *helper_main(void *unused)
+{
+    (void)unused;
+    void *state = NULL;
+    const struct xxh3_api *made = NULL;
+    for (;;) {
+        pthread_mutex_lock(&helper.lock);
+        while (__atomic_load_n(&helper.phase, __ATOMIC_ACQUIRE) != HELPER_POSTED)
+            pthread_cond_wait(&helper.wake, &helper.lock);
+        __atomic_store_n(&helper.phase, HELPER_BUSY, __ATOMIC_RELAXED);
+        pthread_mutex_unlock(&helper.lock);
+        const struct xxh3_api *api = helper.api;
+        if (state == NULL || api != made) {
+            if (state != NULL)
+                made->free_state(state);
+            state = api->create();
+            made = api;
+        }
+        for (size_t i = 0; i < helper.n && state != NULL; i++) {
+            struct hash_job *j = &helper.job[i];
+            int want = JOB_QUEUED;
+            if (!__atomic_compare_exchange_n(&j->state, &want, JOB_RUNNING, 0,
+                                             __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                continue; /* taken back by its writer */
+            start_value(state, api, 0, j->seed_src, j->seed_len);
+            api->update(state, j->src, j->len);
+            j->digest = api->digest(state);
+            __atomic_store_n(&j->state, JOB_DONE, __ATOMIC_RELEASE);
+            __atomic_add_fetch(&helper.hashed, 1, __ATOMIC_RELAXED);
+        }
+        helper_release_batch();
+    }
+    return NULL;
+}
+
+/* Whether this process has a helper thread, making it the first time. */
+static int helper_started(void)
+{
+    pid_t me = getpid();
+    if (__atomic_load_n(&helper.pid, __ATOMIC_ACQUIRE) == me)
+        return 1;
+    pthread_once(&helper_once, helper_register);
+    pthread_mutex_lock(&helper.lock);
+    if (helper.pid != me && !helper.failed) {
+        pthread_attr_t attr;
+        pthread_t thread;
+        sigset_t all, old;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, (size_t)256 << 10);
+        sigfillset(&all); /* signals stay with the interpreter's threads */
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        if (pthread_create(&thread, &attr, helper_main, NULL) == 0)
+            __atomic_store_n(&helper.pid, me, __ATOMIC_RELEASE);
+        else
+            helper.failed = 1;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+    }
+    int up = helper.pid == me;
+    pthread_mutex_unlock(&helper.lock);
+    return up;
+}
+
+/* Give the helper the first values of a batch: how many it was given (0: it was busy,
+ * off, or could not be started). */
+static size_t helper_post(size_t n, const char *const *src, const size_t *len,
+                          const char *const *seed_src, const size_t *seed_len,
+                          const struct xxh3_api *api)
+{
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += len[i];
+    if (total < HELP_MIN_BYTES || !__atomic_load_n(&helper.enabled, __ATOMIC_RELAXED))
+        return 0;
+    int idle = HELPER_IDLE;
+    if (!helper_started() ||
+        !__atomic_compare_exchange_n(&helper.phase, &idle, HELPER_FILLING, 0,
+                                     __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+        return 0;
+    size_t m = n < HELP_MAX ? n : HELP_MAX;
+    for (size_t i = 0; i < m; i++) {
+        struct hash_job *j = &helper.job[i];
+        j->src = src[i];
+        j->len = len[i];
+        j->seed_src = seed_src[i];
+        j->seed_len = seed_len[i];
+        j->state = JOB_QUEUED;
+    }
+    helper.n = m;
+    helper.api = api;
+    helper.holders = 2;
+    helper.posted++;
+    pthread_mutex_lock(&helper.lock);
+    __atomic_store_n(&helper.phase, HELPER_POSTED, __ATOMIC_RELEASE);
+    pthread_cond_signal(&helper.wake);
+    pthread_mutex_unlock(&helper.lock);
+    return m;
+}
+
+/* Value i's checksum: the helper's, or, when the helper has not begun it, the writer's
+ * own (state: the writer's hash state). Waits only while the helper hashes it. */
+static uint64_t helper_digest(size_t i, void *state, const struct xxh3_api *api)
+{
+    struct hash_job *j = &helper.job[i];
+    int want = JOB_QUEUED;
+    if (__atomic_compare_exchange_n(&j->state, &want, JOB_TAKEN, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE)) {
+        __atomic_add_fetch(&helper.taken, 1, __ATOMIC_RELAXED);
+        start_value(state, api, 0, j->seed_src, j->seed_len);
+        api->update(state, j->src, j->len);
+        return api->digest(state);
+    }
+    for (unsigned spins = 0; __atomic_load_n(&j->state, __ATOMIC_ACQUIRE) != JOB_DONE;
+         spins++) {
+        if (spins >= 64)
+            sched_yield();
+    }
+    return j->digest;
+}
+
+/* The values from i on of a batch given to the helper, taken back (or waited for while
+ * it hashes them), and the batch let go: after this the helper reads none of the
+ * writer's buffers. */
+static void helper_let_go(size_t from, size_t given)
+{
+    if (given == 0)
+        return;
+    for (size_t i = from; i < given; i++) {
+        struct hash_job *j = &helper.job[i];
+        int want = JOB_QUEUED;
+        if (__atomic_compare_exchange_n(&j->state, &want, JOB_TAKEN, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            continue;
+        while (__atomic_load_n(&j->state, __ATOMIC_ACQUIRE) == JOB_RUNNING)
+            sched_yield();
+    }
+    helper_release_batch();
+}
+
+/* Turn the helper on or off for this process (on by default); answers the previous. */
+int ucm_hash_helper_enable(int on)
+{
+    return __atomic_exchange_n(&helper.enabled, on ? 1 : 0, __ATOMIC_RELAXED);
+}
+
+/* The helper's counts: out[0] batches given to it, out[1] values it hashed, out[2]
+ * values their writers took back; out[3] 1 when its thread runs in this process. */
+void ucm_hash_helper_stats(uint64_t *out)
+{
+    out[0] = __atomic_load_n(&helper.posted, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&helper.hashed, __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&helper.taken, __ATOMIC_RELAXED);
+    out[3] = __atomic_load_n(&helper.pid, __ATOMIC_ACQUIRE) == getpid();
+}
+
 /* A batch of values written into a file and framed, in one call: for each i < n, the
  * len[i] bytes at src[i] go to fd at pay_at[i], digest[i] = XXH3-64 of them, seeded as in
  * ucm_rowframe; then its low 32 bits go little-endian into head[i] at sum_at[i], and the
- * head_len[i] bytes of head[i] (the record's header) to fd at head_at[i].
+ * head_len[i] bytes of head[i] (the record's header) to fd at head_at[i]. A header is
+ * written after its payload, so a record whose payload write failed has no valid header.
  *
- * Each piece is hashed from the source, then written from the cache it was just read
- * into (PIECE: half a core's L2). Why one call: the other way, a put copies on a second
- * thread while the first hashes, two threads per writer: several writers of one host
- * then switch between twice as many threads as it has cores, and each byte of the
- * source is read from memory twice. Returns 0, -1 when no hash state could be made
- * (nothing written), or the errno of a write that failed (what came before it is
- * written; the caller publishes none of the batch). */
+ * With beside set, the first values go to the checksum helper (above) and are written
+ * without hashing; the rest (or all: beside not set, the helper busy) are hashed piece
+ * by piece, each piece then written from the cache it was just read into (WRITE_PIECE).
+ * The caller sets beside where nothing else of the store works beside its writers (a
+ * store with a disk tier only); a two-tier store's spare core belongs to its cleaner,
+ * and there a helper per writer would only take turns with it.
+ * Returns 0, -1 when no hash state could be made (nothing written), or the errno of a
+ * write that failed (what came before it is written; the caller publishes none of the
+ * batch). */
 int ucm_framewrite(int fd, size_t n, const int64_t *pay_at, const char *const *src,
                    const size_t *len, const char *const *seed_src, const size_t *seed_len,
                    char *const *head, const size_t *head_len, const size_t *sum_at,
-                   const int64_t *head_at, const struct xxh3_api *api, uint64_t *digest)
+                   const int64_t *head_at, const struct xxh3_api *api, uint64_t *digest,
+                   int beside)
 {
     void *state = api->create();
     if (state == NULL)
         return -1;
+    size_t given = beside ? helper_post(n, src, len, seed_src, seed_len, api) : 0;
     int err = 0;
-    for (size_t i = 0; i < n && err == 0; i++) {
-        api->reset(state, 0);
-        api->update(state, seed_src[i], seed_len[i]);
-        api->reset(state, api->digest(state));
-        for (size_t at = 0; at < len[i] && err == 0; at += PIECE) {
-            size_t k = len[i] - at < PIECE ? len[i] - at : PIECE;
-            api->update(state, src[i] + at, k);
-            err = write_all(fd, src[i] + at, k, pay_at[i] + (int64_t)at);
+    size_t i = 0;
+    for (; i < n && err == 0; i++) {
+        if (i < given) {
+            for (size_t at = 0; at < len[i] && err == 0; at += WRITE_PIECE) {
+                size_t k = len[i] - at < WRITE_PIECE ? len[i] - at : WRITE_PIECE;
+                err = write_all(fd, src[i] + at, k, pay_at[i] + (int64_t)at);
+            }
+            if (err != 0)
+                break;
+            digest[i] = helper_digest(i, state, api);
+        } else {
+            start_value(state, api, 0, seed_src[i], seed_len[i]);
+            for (size_t at = 0; at < len[i] && err == 0; at += WRITE_PIECE) {
+                size_t k = len[i] - at < WRITE_PIECE ? len[i] - at : WRITE_PIECE;
+                api->update(state, src[i] + at, k);
+                err = write_all(fd, src[i] + at, k, pay_at[i] + (int64_t)at);
+            }
+            if (err != 0)
+                break;
+            digest[i] = api->digest(state);
         }
-        if (err != 0)
-            break;
-        digest[i] = api->digest(state);
         uint32_t sum = (uint32_t)digest[i];
         unsigned char *to = (unsigned char *)head[i] + sum_at[i];
         to[0] = (unsigned char)sum;
@@ -292,6 +540,7 @@ int ucm_framewrite(int fd, size_t n, const int64_t *pay_at, const char *const *s
         to[3] = (unsigned char)(sum >> 24);
         err = write_all(fd, head[i], head_len[i], head_at[i]);
     }
+    helper_let_go(i < given ? i : given, given);
     api->free_state(state);
     return err;
 }

@@ -31,7 +31,7 @@ import subprocess
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ucm_patch import environment
 from ucm_patch.hooks.stores.memcopy import address, addresses, bytes_address, source_address
@@ -59,6 +59,13 @@ class _Helper:
 
     def __init__(self, fn: Any, scatter: Any, frame: Any, frame_write: Any, frame_send: Any,
                  wait_flag: Any, api: _Api, keep: tuple[Any, ...]) -> None:  # fmt: skip
+        lib = keep[0]
+        self.hash_helper_enable = lib.ucm_hash_helper_enable
+        self.hash_helper_enable.argtypes = [ctypes.c_int]
+        self.hash_helper_enable.restype = ctypes.c_int
+        self.hash_helper_stats = lib.ucm_hash_helper_stats
+        self.hash_helper_stats.argtypes = [ctypes.c_void_p]
+        self.hash_helper_stats.restype = None
         self.fn = fn
         self.scatter = scatter
         self.frame = frame
@@ -96,7 +103,7 @@ def _built(source: bytes) -> Path:
     if not cc:
         raise OSError("no C compiler (cc, gcc or $CC)")
     tmp = folder / f".rowcopy-{tag}.{os.getpid()}.so"
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)]
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(SOURCE)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -136,7 +143,7 @@ def _load() -> _Helper:
     frame.argtypes = [ctypes.c_size_t, p, p, p, p, p, p, p]
     frame.restype = ctypes.c_int
     frame_write = lib.ucm_framewrite
-    frame_write.argtypes = [ctypes.c_int, ctypes.c_size_t, *[p] * 11]
+    frame_write.argtypes = [ctypes.c_int, ctypes.c_size_t, *[p] * 11, ctypes.c_int]
     frame_write.restype = ctypes.c_int
     frame_send = lib.ucm_frame_send
     frame_send.argtypes = [ctypes.c_size_t, *[p] * 7, ctypes.c_size_t, p, p, ctypes.c_int, p,
@@ -342,20 +349,28 @@ def _frame(helper: _Helper, items: Sequence[FrameItem]) -> list[int] | None:
 FileFrameItem = tuple[int, memoryview | bytes, bytes, bytearray, int, int]
 
 
-def frame_write_many(fd: int, items: Sequence[FileFrameItem]) -> list[int] | None:
+def frame_write_many(
+    fd: int, items: Sequence[FileFrameItem], beside: bool = False
+) -> list[int] | None:
     """For each item: write ``src`` into the file ``fd`` at its payload offset, put the
     low 32 bits of XXH3-64 of it (seeded with XXH3-64 of the material) little-endian into
     the header at its place, and write the header at its offset; answer the XXH3-64s.
     Every value in one call without the GIL (a put into a file segment). None when the
     helper is unavailable or a buffer has no address: the caller then writes the usual
-    way. An ``OSError`` names the write that failed; what came before it may be written."""
+    way. An ``OSError`` names the write that failed; what came before it may be written.
+
+    ``beside``: the process's checksum helper thread hashes the values while this thread
+    writes them, where it is free to start at once (``ucm_framewrite``); for a writer
+    with nothing else of its store working beside it (a store with a disk tier only)."""
     helper = _get()
     if helper is None or not items:
         return None if helper is None else []
-    return _frame_write(helper, fd, items)
+    return _frame_write(helper, fd, items, beside)
 
 
-def _frame_write(helper: _Helper, fd: int, items: Sequence[FileFrameItem]) -> list[int] | None:
+def _frame_write(
+    helper: _Helper, fd: int, items: Sequence[FileFrameItem], beside: bool = False
+) -> list[int] | None:
     n = len(items)
     pay_at = (ctypes.c_int64 * n)()
     src = (ctypes.c_void_p * n)()
@@ -379,12 +394,34 @@ def _frame_write(helper: _Helper, fd: int, items: Sequence[FileFrameItem]) -> li
         head[i], head_len[i], sum_at[i], head_at[i] = into, len(header), where, header_at
     api = ctypes.byref(helper.api)
     err = helper.frame_write(fd, n, pay_at, src, size, seed_src, seed_len, head, head_len,
-                             sum_at, head_at, api, digest)  # fmt: skip
+                             sum_at, head_at, api, digest, int(beside))  # fmt: skip
     if err == -1:
         return None
     if err:
         raise OSError(err, f"frame_write_many: writing fd {fd}: {os.strerror(err)}")
     return list(digest)
+
+
+class HashHelperStats(NamedTuple):
+    """The checksum helper of :func:`frame_write_many` in this process, counted since it
+    started (or since a fork): batches given to it, values it hashed, values their
+    writers took back and hashed themselves (it had not begun them), whether its thread
+    runs."""
+
+    posted: int
+    hashed: int
+    taken_back: int
+    running: bool
+
+
+def hash_helper_stats() -> HashHelperStats | None:
+    """:class:`HashHelperStats`, or None without the row helper."""
+    helper = _get()
+    if helper is None:
+        return None
+    out = (ctypes.c_uint64 * 4)()
+    helper.hash_helper_stats(out)
+    return HashHelperStats(out[0], out[1], out[2], bool(out[3]))
 
 
 #: What :func:`frame_send` did: copied, sent, the answer readable; copied, sent, no
@@ -551,6 +588,7 @@ __all__ = [
     "SOURCE",
     "XXH3_SYMBOLS",
     "FrameItem",
+    "HashHelperStats",
     "Item",
     "Marks",
     "ScatterItem",
@@ -558,6 +596,7 @@ __all__ = [
     "copy_verify_many",
     "disable",
     "frame_many",
+    "hash_helper_stats",
     "scatter_verify_many",
     "wait_flag",
 ]

@@ -166,6 +166,10 @@ class Tier(TierBesideWrites, TierReads, TierLeases, TierEmptying):
         #: runs a spill's write into this tier (:meth:`adopt`): here, by default; the
         #: cleaner process runs it on a thread of low CPU priority (:mod:`.cleaner_process`)
         self.run_spill_write: Callable[[Callable[[], None]], None] = _call
+        #: file puts hash on the process's checksum helper thread while they write
+        #: (:func:`.rowcopy.frame_write_many`): set by a store whose only tier this is,
+        #: where no cleaner process works beside its writers
+        self.hash_beside = False
         self._dropped = 0  # values this process dropped (not spilled) for capacity
         self.disk_full = 0  # ENOSPC answered by evicting and retrying
         self.reserve_dry = 0  # puts that found no ready segment (a spilling tier: skipped)

@@ -63,6 +63,7 @@ class TierWrites:
     segment_bytes: int
     secret: bytes | None
     fsync: bool
+    hash_beside: bool
     files: FileSegments
     index: SegmentIndex
     cleaner: SegmentCleaner
@@ -256,17 +257,19 @@ class TierWrites:
     def _write_file_in_one_call(self, lease: Lease, batch: list[Record]) -> bool:
         """A file segment's batch in one native call where the row helper is built
         (:func:`~.framing.write_framed_many`): each payload hashed and written piece by
-        piece, then its record header; False where it cannot (nothing written). Why not
-        the sidecar (:meth:`_write_hashing_meanwhile`): that takes two threads per writer
-        and reads each payload from memory twice; with several writers on a host of few
-        cores (writes around a dry memory tier) the threads outnumber the cores."""
+        piece (or hashed on the process's checksum helper thread meanwhile, where
+        ``hash_beside``), then its record header; False where it cannot (nothing
+        written). Why not the sidecar (:meth:`_write_hashing_meanwhile`): that takes two
+        threads per writer and reads each payload from memory twice; with several writers
+        on a host of few cores (writes around a dry memory tier) the threads outnumber the
+        cores."""
         entries = []
         off = lease.end
         for digest, key, payload in batch:
             entries.append((key, digest + _PAD, off, payload))
             off = (off + RECORD_HEADER + len(payload) + 63) & ~63
         fd = self.files.live_fd(lease.seg, create=True)[0]
-        return write_framed_many(fd, entries, self.secret)
+        return write_framed_many(fd, entries, self.secret, beside=self.hash_beside)
 
     def _write_hashing_meanwhile(
         self, lease: Lease, batch: list[Record], view: memoryview | None
