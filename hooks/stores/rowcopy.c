@@ -296,14 +296,13 @@ static struct {
     pthread_cond_t wake;
     pid_t pid;            /* the process whose helper thread runs (none after a fork) */
     int failed;           /* no thread could be made: never tried again in this process */
-    int enabled;
     int phase;            /* HELPER_*: whether a batch holds job[] and n */
     int holders;          /* of the batch posted: its writer, the helper (2, 1, 0) */
     size_t n;
     const struct xxh3_api *api;
     struct hash_job job[HELP_MAX];
     uint64_t posted, hashed, taken; /* batches given, values it hashed, values taken back */
-} helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 1, HELPER_IDLE, 0, 0,
+} helper = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, HELPER_IDLE, 0, 0,
             NULL, {{0}}, 0, 0, 0};
 
 /* One holder of the posted batch is done with it; the last frees the jobs. */
@@ -393,8 +392,8 @@ static int helper_started(void)
     return up;
 }
 
-/* Give the helper the first values of a batch: how many it was given (0: it was busy,
- * off, or could not be started). */
+/* Give the helper the first values of a batch: how many it was given (0: too small, or
+ * the helper busy or not startable). */
 static size_t helper_post(size_t n, const char *const *src, const size_t *len,
                           const char *const *seed_src, const size_t *seed_len,
                           const struct xxh3_api *api)
@@ -402,7 +401,7 @@ static size_t helper_post(size_t n, const char *const *src, const size_t *len,
     size_t total = 0;
     for (size_t i = 0; i < n; i++)
         total += len[i];
-    if (total < HELP_MIN_BYTES || !__atomic_load_n(&helper.enabled, __ATOMIC_RELAXED))
+    if (total < HELP_MIN_BYTES)
         return 0;
     int idle = HELPER_IDLE;
     if (!helper_started() ||
@@ -421,7 +420,7 @@ static size_t helper_post(size_t n, const char *const *src, const size_t *len,
     helper.n = m;
     helper.api = api;
     helper.holders = 2;
-    helper.posted++;
+    __atomic_add_fetch(&helper.posted, 1, __ATOMIC_RELAXED);
     pthread_mutex_lock(&helper.lock);
     __atomic_store_n(&helper.phase, HELPER_POSTED, __ATOMIC_RELEASE);
     pthread_cond_signal(&helper.wake);
@@ -467,12 +466,6 @@ static void helper_let_go(size_t from, size_t given)
             sched_yield();
     }
     helper_release_batch();
-}
-
-/* Turn the helper on or off for this process (on by default); answers the previous. */
-int ucm_hash_helper_enable(int on)
-{
-    return __atomic_exchange_n(&helper.enabled, on ? 1 : 0, __ATOMIC_RELAXED);
 }
 
 /* The helper's counts: out[0] batches given to it, out[1] values it hashed, out[2]

@@ -60,9 +60,6 @@ class _Helper:
     def __init__(self, fn: Any, scatter: Any, frame: Any, frame_write: Any, frame_send: Any,
                  wait_flag: Any, api: _Api, keep: tuple[Any, ...]) -> None:  # fmt: skip
         lib = keep[0]
-        self.hash_helper_enable = lib.ucm_hash_helper_enable
-        self.hash_helper_enable.argtypes = [ctypes.c_int]
-        self.hash_helper_enable.restype = ctypes.c_int
         self.hash_helper_stats = lib.ucm_hash_helper_stats
         self.hash_helper_stats.argtypes = [ctypes.c_void_p]
         self.hash_helper_stats.restype = None
