@@ -50,6 +50,19 @@ def _check_file(path: Path, values: list[bytes], digests: list[int]) -> None:
         at += HEAD + len(v)
 
 
+def _write_beside(path: Path, values: list[bytes]) -> list[int]:
+    """``values`` written into a new file at ``path`` beside the helper, the digests,
+    headers and payloads checked; the digests."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        got = rowcopy.frame_write_many(fd, _items(values), beside=True)
+    finally:
+        os.close(fd)
+    assert got == _want(values)
+    _check_file(path, values, got)
+    return got
+
+
 def _stats() -> rowcopy.HashHelperStats:
     got = rowcopy.hash_helper_stats()
     assert got is not None, "the row helper did not build here (cc and xxhash are present)"
@@ -62,15 +75,8 @@ def test_the_helper_hashes_while_the_writer_writes(tmp_path: Path) -> None:
     before = _stats()
     hashed = before.hashed
     for round_ in range(200):  # the helper runs on the other core; a busy host delays it
-        values = [os.urandom(VALUE) for _ in range(2)]
         path = tmp_path / f"seg-{round_}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            got = rowcopy.frame_write_many(fd, _items(values), beside=True)
-        finally:
-            os.close(fd)
-        assert got == _want(values)
-        _check_file(path, values, got)
+        _write_beside(path, [os.urandom(VALUE) for _ in range(2)])
         path.unlink()
         if _stats().hashed > hashed:
             break
@@ -122,15 +128,7 @@ def test_a_busy_helper_leaves_other_writers_alone(tmp_path: Path) -> None:
     def writer(n: int) -> None:
         try:
             for r in range(10):
-                values = [os.urandom(512 << 10) for _ in range(3)]
-                path = tmp_path / f"w{n}-{r}"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-                try:
-                    got = rowcopy.frame_write_many(fd, _items(values), beside=True)
-                finally:
-                    os.close(fd)
-                assert got == _want(values)
-                _check_file(path, values, got)
+                _write_beside(tmp_path / f"w{n}-{r}", [os.urandom(512 << 10) for _ in range(3)])
         except BaseException as exc:  # reported below, from the test's thread
             errors.append(exc)
 
