@@ -31,3 +31,33 @@ def test_unpaired_rates_use_the_run_ceiling() -> None:
 def test_missing_rates_or_ceiling_give_none() -> None:
     assert bc.memcpy_share({}, "put", ceiling=1000.0) is None
     assert bc.memcpy_share({"put": [1.0]}, "put", ceiling=None) is None
+
+
+def _row(mib_s: float, slowest_ms: float = 1.0) -> dict:
+    return {"stored": mib_s * (1 << 20), "wall_s": 1.0, "slowest_ms": slowest_ms}
+
+
+def test_writers_vs_one_is_the_median_of_each_rounds_own_ratio() -> None:
+    # the host's disk halves its speed in round 2: both phases of that round see it, and
+    # a ratio of the rounds' medians (4 writers' 1000 against one's 1000) would hide that
+    # the 4 writers lost to the one writer of their own round in two rounds of three
+    rs = load_script("bench_render_stores")
+    bs = load_script("bench_stores")
+    one = [_row(1000.0), _row(500.0), _row(1200.0, slowest_ms=11.0)]
+    four = [_row(900.0), _row(520.0), _row(1000.0)]
+    d = {
+        "with room": _row(2000.0),
+        "host jitter": {"beside_disk_writes_ms": 5.0},
+        "full, 1 process": bs._median_round(one),
+        "full, 4 processes": bs._median_round(four),
+        "together_vs_one": {"4": [f / o for f, o in zip(
+            [900.0, 520.0, 1000.0], [1000.0, 500.0, 1200.0], strict=True)]},
+    }  # fmt: skip
+    rows = {r[0]: r for r in rs.full_store_targets(d, "1 MiB")}
+    four_row = rows["full two-tier store, 4 processes at once vs one alone, 1 MiB"]
+    assert four_row[2].startswith("90 % (median of 3 rounds: 90, 104, 83 %)")
+    assert "missed" in four_row[3]
+    # the median round's rate, the slowest call of any round
+    assert bs._median_round(one)["stored"] == 1000.0 * (1 << 20)
+    slowest = rows["full two-tier store, slowest put call, 1 MiB"]
+    assert slowest[2].startswith("11.0 ms") and "missed" in slowest[3]
