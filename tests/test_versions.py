@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ucm_patch.errors import ConfigError
@@ -118,3 +120,46 @@ def test_zip_on_sys_path_falls_back_to_importlib_metadata(
     found = installed("fakedist")
     assert found is not None and found.raw == "1.2.3" and found.source == "fakedist"
     assert installed("vllm") is not None  # still found through importlib.metadata
+
+
+def _dist_info(folder: Path, name: str, version: str) -> None:
+    meta = folder / f"{name}-{version}.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(f"Name: {name}\nVersion: {version}\n\n")
+
+
+def test_the_import_systems_listing_is_reused_while_current(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """After an import from a directory, its FileFinder holds the directory's names: the
+    index reads them instead of listing again, and lists again once the directory changed
+    (a distribution installed after the import is still found)."""
+    import importlib
+    import sys
+
+    import ucm_patch.versions as versions
+
+    (tmp_path / "ucm_listing_probe.py").write_text("")
+    _dist_info(tmp_path, "ucmprobe", "1.2")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("ucm_listing_probe")  # the finder lists tmp_path now
+    monkeypatch.delitem(sys.modules, "ucm_listing_probe")
+    real_listdir = versions.os.listdir
+    listed: list[str] = []
+    monkeypatch.setattr(
+        versions.os, "listdir", lambda p=".": listed.append(str(p)) or real_listdir(p)
+    )
+    found = installed("ucmprobe")
+    assert found is not None and found.raw == "1.2"
+    assert str(tmp_path) not in listed, "the finder's own listing was current"
+
+    import os
+
+    # a second distribution installed after the import: the directory's mtime moves on
+    before = os.stat(tmp_path).st_mtime_ns
+    _dist_info(tmp_path, "ucmlater", "3.4")
+    if os.stat(tmp_path).st_mtime_ns == before:  # a coarse clock: make the change visible
+        os.utime(tmp_path, ns=(before + 10**9, before + 10**9))
+    later = installed("ucmlater")
+    assert later is not None and later.raw == "3.4"
+    assert str(tmp_path) in listed, "a stale listing was not used"

@@ -51,7 +51,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 
-from ucm_patch import importhooks, installer
+from ucm_patch import importhooks, installer, trampoline_cache
 from ucm_patch.errors import PatchFailed
 from ucm_patch.records import PatchRecord, Tag, newest_eras
 from ucm_patch.toggles import ToggleResolver
@@ -195,8 +195,9 @@ class Registry:
                     to_hook.append(st)
         for st in to_revert:
             self._revert_one(st, State.DISABLED, f"switched off by {st.toggle}")
-        for st in to_hook:
-            self._hook(st)
+        with trampoline_cache.batch():  # the targets imported already apply now: one write
+            for st in to_hook:
+                self._hook(st)
 
     def _is_newest(self, record: PatchRecord) -> bool:
         """Whether ``record`` is its patch's newest era (it alone may apply past its

@@ -48,7 +48,7 @@ import functools
 import types
 from collections.abc import Callable
 
-from ucm_patch import guard
+from ucm_patch import guard, trampoline_cache
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -141,8 +141,12 @@ class _Parameters:
 
 @functools.lru_cache(maxsize=128)
 def _compile_factory(src: str) -> types.CodeType:
-    """The factory's code object for ``src`` (compiled once per signature shape)."""
-    module_code = compile(src, "<ucm_patch>", "exec")  # names only: see module docstring
+    """The factory's code object for ``src`` (compiled once per signature shape, and kept
+    for later processes: :mod:`ucm_patch.trampoline_cache`)."""
+    module_code = trampoline_cache.get(src)
+    if module_code is None:
+        module_code = compile(src, "<ucm_patch>", "exec")  # names only: see module docstring
+        trampoline_cache.put(src, module_code)
     return next(c for c in module_code.co_consts if isinstance(c, types.CodeType))
 
 

@@ -29,6 +29,7 @@ from ucm_patch.errors import ConfigError
 from ucm_patch.typing_guard import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported lazily: importlib.metadata + packaging are slow to import
+    from collections.abc import Collection, Mapping
     from typing import Any
 
     from packaging.version import Version
@@ -143,19 +144,40 @@ def _metadata_dirs() -> dict[str, str] | None:
 
     found: dict[str, str] = {}
     for entry in sys.path:
-        entry = entry or "."
         try:
-            names = os.listdir(entry)
+            names = _listing(entry, sys.path_importer_cache)
         except NotADirectoryError:
             return None
         except OSError:  # missing or unreadable: importlib.metadata skips it too
             continue
+        entry = entry or "."
         for fname in names:
             if fname.endswith((".dist-info", ".egg-info")):
                 # "{name}-{version}.dist-info": installers escape "-" in the name as "_"
                 stem = fname[: fname.rindex(".")]
                 found.setdefault(_normalise_name(stem.partition("-")[0]), entry + os.sep + fname)
     return found
+
+
+def _listing(entry: str, finders: Mapping[str, Any]) -> Collection[str]:
+    """The names in ``sys.path`` entry ``entry``.
+
+    The import system's own listing where it is current: the ``FileFinder`` of a
+    directory keeps the names in it, with the directory's mtime when they were listed,
+    and lists again when that changes (as ``importlib.metadata``'s own lookup also
+    does). After ``import vllm`` every directory on the path has been listed that way,
+    and reading the lists back is a twentieth of listing them again (apply time,
+    docs/BENCHMARKS.md section 1). Anything else (another finder, a stale or empty list,
+    attributes this Python does not have): ``os.listdir``.
+    """
+    folder = entry or os.getcwd()  # the key PathFinder uses for "" (the current directory)
+    finder = finders.get(folder)
+    names = getattr(finder, "_path_cache", None)
+    if names and isinstance(names, set):
+        listed_at = getattr(finder, "_path_mtime", None)
+        if listed_at is not None and listed_at == os.stat(folder).st_mtime:
+            return names
+    return os.listdir(entry or ".")
 
 
 def _version_of(path: str) -> str:
