@@ -286,7 +286,8 @@ def _store_profile(label: str, sd: dict[str, Any]) -> list[str]:
             if t is None or copy is None or xxh is None:
                 continue
             if op != "put":
-                hashed, rest = "(on the copy)", t - copy
+                # read_verified_many: each piece hashed as it is read, then streamed out
+                hashed, rest = "(as it is read)", t - copy
             elif beside:
                 hashed, rest = f"{xxh:.1f}, beside the copy", t - max(copy, xxh)
             else:

@@ -126,6 +126,31 @@ def test_the_helper_checks_what_xxhash_checks(tmp_path: Path) -> None:
         rowcopy.copy_verify_many([(dsts[0], memoryview(b"ab"), 0, 0)])
 
 
+def test_a_copy_is_exact_at_any_alignment_and_length() -> None:
+    """The copy is hashed from the source a piece at a time and streamed out 16 bytes
+    aligned (``copy_run``): every byte lands, whatever the destination's alignment and
+    wherever a length ends against a piece or a 64-byte line, and a source byte changed
+    anywhere is caught."""
+    import xxhash
+
+    assert rowcopy.available()
+    piece = 128 << 10
+    for n in (4095, 4096 + 17, piece - 1, piece + 65, 3 * piece + 4097):
+        src = memoryview(bytearray(os.urandom(n)))
+        want = xxhash.xxh3_64_intdigest(src, 5) & 0xFFFFFFFF
+        for shift in (0, 1, 7, 15):
+            room = bytearray(n + 32)
+            dst = memoryview(room)[shift : shift + n]
+            assert rowcopy.copy_verify_many([(dst, src, 5, want)]) == [True], (n, shift)
+            assert bytes(dst) == bytes(src), (n, shift)
+            assert room[:shift] == bytes(shift) and room[shift + n :] == bytes(32 - shift)
+        for at in (0, n // 2, n - 1):
+            bad = bytearray(src)
+            bad[at] ^= 0x40
+            dst = memoryview(bytearray(n))
+            assert rowcopy.copy_verify_many([(dst, memoryview(bad), 5, want)]) == [False], at
+
+
 def test_a_put_batch_is_copied_and_framed_in_one_call(tmp_path: Path, monkeypatch) -> None:
     """A dump's batch into the memory tier: one foreign call copies and frames every value
     (the GIL given up once per batch); the frames are the ones ``make_header`` computes,

@@ -5,7 +5,8 @@ Why: a load thread that copies and hashes each value piece by piece
 Beside vLLM's forward, a thread that keeps the GIL, each take back waits up to the switch
 interval: on the H100 the load threads spent several times the work of a value waiting
 for it (docs/GPU.md, run 4). ``rowcopy.c`` does a whole row's copies and checksums in
-one call, piece by piece as before (each piece hashed while it is in the cache).
+one call, piece by piece (each piece of a copy hashed from its source, then written from
+the cache it was just read into: rowcopy.c says why).
 
 The C file is compiled with the host's C compiler (``$CC``, else ``cc``) the first time a
 process needs it, into ``$XDG_CACHE_HOME/ucm_patch/native`` (``~/.cache`` by default;
@@ -263,8 +264,11 @@ Item = tuple[memoryview, memoryview | None, int | bytes, int]
 
 def copy_verify_many(items: Sequence[Item]) -> list[bool] | None:
     """For each (dst, src, seed, want): copy ``src`` into ``dst`` (same length; src None:
-    ``dst`` is only checked) and check the low 32 bits of XXH3-64(dst, seed) against
-    ``want``, all in one call without the GIL: True per value that checks. A ``bytes``
+    ``dst`` is only checked) and check the low 32 bits of XXH3-64 of the bytes copied
+    (hashed as they are read from ``src``), seeded, against ``want``, all in one call
+    without the GIL: True per value that checks. A caller whose source may be rewritten
+    meanwhile checks afterwards that it was not (a store: the segment's generation). A
+    ``bytes``
     seed is hashed in that call too (XXH3-64 of it is the seed). None when the helper is
     unavailable or a buffer has no address (read-only, not contiguous): the caller then
     does it value by value."""
