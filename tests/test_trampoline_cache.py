@@ -196,3 +196,35 @@ def _target_one(x: Any) -> Any:
 
 def _target_two(x: Any, y: Any) -> Any:
     return x, y
+
+
+def test_a_fork_while_another_thread_holds_the_lock_leaves_the_child_usable(
+    fresh_cache: Path,
+) -> None:
+    """vLLM forks its workers: a child forked while a thread of the parent wrote the cache
+    still looks shapes up (its lock is a new one), instead of hanging."""
+    import signal
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with trampoline_cache._lock:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:  # the child: a hang ends by SIGALRM, a failure by its exit code
+        signal.alarm(10)
+        try:
+            found = trampoline_cache.get("def nothing_cached(): pass")
+            os._exit(0 if found is None else 2)
+        except BaseException:
+            os._exit(1)
+    release.set()
+    holder.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -39,6 +39,18 @@ _batches = 0  # open batch() blocks: writes wait for the last one to close
 _unsaved = False
 
 
+def _after_fork_in_child() -> None:
+    # vLLM forks its workers; a fork while another thread held the lock (writing the
+    # file) would leave the child's copy locked for ever. The loaded dict stays valid.
+    # (A batch another thread had open stays open in the child: it then defers its
+    # writes for good, which costs a compile on a later start, nothing else.)
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def path() -> str:
     """The cache file of this interpreter's bytecode version."""
     from importlib.util import MAGIC_NUMBER  # imported by then: the import system uses it
