@@ -21,7 +21,7 @@ FIRST_VS_STEADY = 1.1
 def _of(d: dict[str, Any]) -> str:
     """How many fresh processes a first pass is the median of, when more than one."""
     n = d.get("processes", 1)
-    return f" (median of {n} processes)" if n > 1 else ""
+    return f" (median of {n} processes' own ratios)" if n > 1 else ""
 
 
 def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
@@ -74,6 +74,14 @@ def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, st
                 ("dump proxy, beside a process taking a core (no GIL of ours) vs alone; the "
                  "Python thread's figure against it", "(information)",
                  f"{u['beside_hog_share']:.1%}; {u['beside_python_vs_hog']:.1%}",
+                 "(information)")
+            )  # fmt: skip
+    for who, run in (("load", d), ("dump", dumps or {})):
+        ratios = run.get("first_ratios") or []
+        if len(ratios) > 1:  # what the first-vs-steady median is taken over
+            rows.append(
+                (f"{who} proxy, each process's first pass vs its own steady median",
+                 "(information)", ", ".join(f"{r:.2f}x" for r in sorted(ratios)),
                  "(information)")
             )  # fmt: skip
     old = d.get("per_value", {}).get("summary")

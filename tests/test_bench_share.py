@@ -62,3 +62,34 @@ def test_writers_vs_one_is_the_median_of_each_rounds_own_ratio() -> None:
     assert bs._median_round(one)["stored"] == 1000.0 * (1 << 20)
     slowest = rows["full two-tier store, slowest put call, 1 MiB"]
     assert slowest[2].startswith("11.0 ms (on a CPU 1.1 ms of it;") and "missed" in slowest[3]
+
+
+def _proxy_run(first_s: float, steady_s: list[float]) -> dict:
+    passes = [{"wall_s": s, "cpu_s": 0.01, "waits": 0} for s in steady_s]
+    return {"values": 900, "value_bytes": 1 << 20, "threads": 2, "floor_s": 0.05,
+            "floor_samples": [0.05], "first": {"wall_s": first_s, "cpu_s": 0.01, "waits": 0},
+            "alone": passes, "beside_python": passes}  # fmt: skip
+
+
+def test_first_vs_steady_pairs_each_processs_first_pass_with_its_own_steady_ones() -> None:
+    # three processes whose steady passes differ by 1.5x, each first pass 1.05x its own:
+    # against the pooled steady median the median first pass read 1.26x (the slow
+    # processes' firsts against the fast ones' steady passes)
+    lp = load_script("bench_load_proxy")
+    runs = [_proxy_run(0.042, [0.040] * 5), _proxy_run(0.063, [0.060] * 5),
+            _proxy_run(0.0525, [0.050] * 5), _proxy_run(0.0525, [0.050] * 5),
+            _proxy_run(0.063, [0.060] * 5)]  # fmt: skip
+    merged = lp.merged(runs)
+    assert merged["first_ratios"] == pytest.approx([1.05] * 5)
+    assert lp.summarize(merged)["first_vs_steady"] == pytest.approx(1.05)
+    pooled = merged["first"]["wall_s"] / 0.050
+    assert pooled == pytest.approx(1.05)  # here the same; below it is not
+    runs[2] = _proxy_run(0.063 * 1.2, [0.060] * 5)  # one slow process's first pass 1.26x
+    merged = lp.merged(runs)
+    assert lp.summarize(merged)["first_vs_steady"] == pytest.approx(1.05)
+    rl = load_script("bench_render_load")
+    rows = {r[0]: r for r in rl.load_proxy_targets({**merged, "summary": lp.summarize(merged)})}
+    each = rows["load proxy, each process's first pass vs its own steady median"]
+    assert each[2] == "1.05x, 1.05x, 1.05x, 1.05x, 1.26x"
+    target = next(r for k, r in rows.items() if k.startswith("load proxy, first load"))
+    assert "own ratios" in target[0] and target[2] == "1.05x" and target[3] == "met"
