@@ -24,8 +24,10 @@ that, with nothing of vLLM:
 The same for dumps: a fresh process submits rows (a row's values, from buffers in memory)
 to the dump scheduler on the forward's thread, as the connector's ``save_kv_layer`` does,
 with the connector's default dump threads, into a store with room, and waits for them as
-for a finished request; fresh keys each pass (a third of ``--values`` per pass, so that
-one memory tier holds them all).
+for a finished request; fresh keys each pass, ``--values`` of them (900 of 1 MiB, as a
+load's: one memory tier holds every pass, 11 GB, made and mapped before the first). A
+dump pass ends when its last value is stored (the last ``put_many`` returned), not when
+the thread waiting for it gets the GIL back.
 
 Reported: GB/s alone and beside the Python thread, host CPU-seconds per GB loaded (the
 load threads' own, from ``getrusage`` per thread), wall alone against the floor, GIL
@@ -54,7 +56,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -67,12 +69,13 @@ MiB = 1 << 20
 ROW_VALUES = 25  # chunks per layer at an 80 % hit of 8K tokens (6400 / 256)
 
 
-def _store(path: Path, nbytes: int, value_bytes: int) -> Any:
-    """The store as the connector builds it: a memory tier holding the values, over a disk
-    tier; the tier kept when the writer closes (a restarted server reads it warm)."""
+def _store(path: Path, nbytes: int, value_bytes: int, room: float = 2.0) -> Any:
+    """The store as the connector builds it: a memory tier of ``room`` times the values'
+    ``nbytes``, over a disk tier; the tier kept when the writer closes (a restarted server
+    reads it warm)."""
     from ucm_patch.hooks.stores.local import LocalStore
 
-    memory = max(2 * nbytes, 256 * MiB)
+    memory = max(int(room * nbytes), 256 * MiB)
     return LocalStore(
         path / "disk", 4 * memory, memory_bytes=memory, value_bytes=value_bytes,
         memory_keep_bytes=memory,
@@ -177,7 +180,7 @@ class _Cache:
         ]
 
 
-def _load_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]], cache: _Cache,
+def _load_all(store: Any, pool: Any, rows: list[list[str]], cache: _Cache,
               threads: int, forward: _Spinner | None = None) -> dict[str, float]:  # fmt: skip
     """A step's rows as the connector loads them into a cache in host memory
     (``row_loads.StepLoad``): the values looked up on the forward's thread
@@ -216,7 +219,7 @@ def _load_all(store: Any, pool: ThreadPoolExecutor, rows: list[list[str]], cache
         n = sum(len(rows[r]) for r in mine)
         work.append((mine, located[at : at + n]))
         at += n
-    ok = all(pool.map(load_rows, work))
+    ok = all([f.result() for f in [pool.submit(load_rows, w) for w in work]])
     wall = time.perf_counter() - t0
     if not ok or not all(flags):
         raise SystemExit("bench_load_proxy: a value was missing or corrupt")
@@ -284,7 +287,13 @@ def read(
                            "switch_interval_s": sys.getswitchinterval(),
                            "row_helper": rowcopy.available()}  # fmt: skip
     cache = _Cache(values, value_bytes)
-    with ThreadPoolExecutor(threads, thread_name_prefix="ucm-load") as pool:
+    # the connector's own load threads (``LoadThreads``), started with it, before any
+    # load: a ``ThreadPoolExecutor`` starts its threads at the first submit, and its
+    # second thread began the first pass 7-10 ms after the first (1-4 ms in a steady one)
+    from ucm_patch.connector.load_threads import LoadThreads
+
+    pool = LoadThreads(threads, name="ucm-load")
+    try:
         out["first"] = _load_all(store, pool, rows, cache, threads)
         out["alone"] = []
         for _ in range(repeat):
@@ -294,6 +303,8 @@ def read(
             out["beside_python"] = [
                 _load_all(store, pool, rows, cache, threads, forward) for _ in range(2)
             ]
+    finally:
+        pool.shutdown(10.0)
     out["floor_s"], out["floor_samples"] = floor.seconds(), floor.samples
     store.close()
     return out
@@ -315,32 +326,56 @@ def _task_usage(tids: list[int]) -> tuple[float, int]:
     return cpu, waits
 
 
+class _Stamped:
+    """The store as the dump threads see it, each ``put_many`` stamped when it returns:
+    a pass ends when its last value is stored, not when a thread that waits for it gets
+    the GIL back (beside the forward, up to the switch interval later; in vLLM the
+    forward's own thread asks ``get_finished`` at its next step, and waits for no GIL)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._lock = threading.Lock()  # the dump threads stamp it, each its own puts
+        self.last = 0.0
+
+    def put_many(self, items: Any) -> list[bool]:
+        out = self._store.put_many(items)
+        with self._lock:
+            self.last = max(self.last, time.perf_counter())
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
 def _dump_all(sched: Any, client: Any, store: Any, rows: list[list[str]],
               data: list[memoryview], tag: str,
               forward: _Spinner | None = None) -> dict[str, float]:  # fmt: skip
     """A step's rows dumped as the connector dumps them: submitted to the dump scheduler
     one row at a time on the forward's thread (``save_kv_layer``: ``forward`` when one
     runs), host data (no event to wait for), then waited for as a finished request is
-    (``get_finished``, blocking). Fresh keys: wall seconds, the dump threads' CPU seconds
-    and voluntary context switches."""
+    (``get_finished``, blocking). Fresh keys: wall seconds from the first submit on the
+    forward's thread to the last value stored (:class:`_Stamped`), the dump threads' CPU
+    seconds and voluntary context switches."""
     tids = [t.native_id for t in threading.enumerate() if t.name.startswith("ucm-proxy-dump")]
     before = _task_usage([t for t in tids if t is not None])
+    stamped = _Stamped(store)
+    started: list[float] = []
 
     def submit() -> None:
-        batch = client.open_batch([tag], store)
+        started.append(time.perf_counter())
+        batch = client.open_batch([tag], stamped)
         for r, keys in enumerate(rows):
             values = [data[i % len(data)] for i in range(len(keys))]
             if not sched.submit(batch, r, [f"{tag}/{k}" for k in keys], values):
                 raise SystemExit("bench_load_proxy: a dump was skipped (no task slot)")
         sched.seal(batch)
 
-    t0 = time.perf_counter()
     if forward is not None:
         forward.call(submit)
     else:
         submit()
     done = client.get_finished([tag], timeout=120)
-    wall = time.perf_counter() - t0
+    wall = stamped.last - started[0]
     if done.sending != {tag} or done.failed:
         raise SystemExit("bench_load_proxy: a dump failed or was skipped (the store is full)")
     cpu, waits = _task_usage([t for t in tids if t is not None])
@@ -358,7 +393,9 @@ def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -
 
     passes = 1 + repeat + 2 + 2
     floor = _Floor(values * value_bytes)  # first: see _Floor
-    store = _store(path, passes * values * value_bytes, value_bytes)
+    # room for every pass and the segments a pass leaves part-filled, and no more: the
+    # whole tier is allocated and mapped before the first dump (9 GB for 900 values)
+    store = _store(path, passes * values * value_bytes, value_bytes, room=1.25)
     started = time.perf_counter()
     store.prepare_writes()  # as the connector's worker does at start
     if store.memory is not None:
@@ -512,9 +549,11 @@ def main(argv: list[str] | None = None) -> int:
             "per_value": _role([*reader, "--per-value"]),  # information: one process
             "row": merged([_role(reader) for _ in range(processes)]),
         }
-        # a third of the values per pass: one store holds every pass in its memory tier;
-        # a store of its own per process, so that each first dump finds one as at start
-        dumper = [sys.executable, __file__, f"--values={max(ROW_VALUES, args.values // 3)}",
+        # as many values per pass as a load's (a shorter pass, 300 values in 15 ms, was
+        # as long as two of the host's scheduler ticks and its figures moved by a third
+        # between processes); a store of its own per process, so that each first dump
+        # finds one as at start
+        dumper = [sys.executable, __file__, f"--values={args.values}",
                   f"--value-bytes={args.value_bytes}", "--role=dump",
                   f"--threads={dump_threads}", f"--repeat={args.repeat}"]  # fmt: skip
         runs["dumps"] = merged([_dump_process(dumper, d) for d in dump_dirs])

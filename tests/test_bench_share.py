@@ -93,3 +93,32 @@ def test_first_vs_steady_pairs_each_processs_first_pass_with_its_own_steady_ones
     assert each[2] == "1.05x, 1.05x, 1.05x, 1.05x, 1.26x"
     target = next(r for k, r in rows.items() if k.startswith("load proxy, first load"))
     assert "own ratios" in target[0] and target[2] == "1.05x" and target[3] == "met"
+
+
+def test_a_dump_pass_ends_when_its_last_value_is_stored() -> None:
+    """The dump proxy's pass ends as the last ``put_many`` returns (each stamped), not
+    when a thread that waits for the dumps gets the GIL back; everything else of the
+    store is the store's own."""
+    import threading
+    import time
+
+    lp = load_script("bench_load_proxy")
+
+    class Store:
+        path = "here"
+
+        def put_many(self, items: list[tuple[str, bytes]]) -> list[bool]:
+            time.sleep(0.01 * len(items))
+            return [True] * len(items)
+
+    stamped = lp._Stamped(Store())
+    assert stamped.path == "here" and stamped.last == 0.0
+    started = time.perf_counter()
+    threads = [threading.Thread(target=stamped.put_many, args=([("k", b"v")] * n,)) for n in (3, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    waited_on = time.perf_counter()
+    time.sleep(0.02)  # the waiter's late wake is not in the pass
+    assert started + 0.03 <= stamped.last <= waited_on
