@@ -125,7 +125,10 @@ int ucm_rowcopy(size_t n, char *const *dst, const char *const *src, const size_t
 #define STREAM_MIN ((size_t)4096)
 #if defined(__SSE2__)
 #include <emmintrin.h>
-static void copy_run(char *to, const char *from, size_t n)
+/* The one streaming loop of copy_run and copy_run_ahead (below): called with a constant
+ * NULL, the prefetch folds away. */
+static inline __attribute__((always_inline)) void stream_run(char *to, const char *from,
+                                                              size_t n, const char *ahead)
 {
     if (n < STREAM_MIN) {
         memcpy(to, from, n);
@@ -137,6 +140,10 @@ static void copy_run(char *to, const char *from, size_t n)
     from += head;
     n -= head;
     for (; n >= 64; n -= 64, to += 64, from += 64) {
+        if (ahead != NULL) {
+            _mm_prefetch(ahead, _MM_HINT_T1);
+            ahead += 64;
+        }
         __m128i a = _mm_loadu_si128((const __m128i *)from);
         __m128i b = _mm_loadu_si128((const __m128i *)(from + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(from + 32));
@@ -148,6 +155,7 @@ static void copy_run(char *to, const char *from, size_t n)
     }
     memcpy(to, from, n);
 }
+static void copy_run(char *to, const char *from, size_t n) { stream_run(to, from, n, NULL); }
 static void store_fence(void) { _mm_sfence(); }
 /* copy_run, and meanwhile the n bytes at ahead (NULL: none) fetched into the core's L2,
  * a line per line copied: the next piece's hash then reads them from there. Why: a
@@ -162,27 +170,10 @@ static void store_fence(void) { _mm_sfence(); }
  * so only the frame uses it. */
 static void copy_run_ahead(char *to, const char *from, size_t n, const char *ahead)
 {
-    if (ahead == NULL || n < STREAM_MIN) {
-        copy_run(to, from, n);
-        return;
-    }
-    size_t head = (16 - ((uintptr_t)to & 15)) & 15;
-    memcpy(to, from, head);
-    to += head;
-    from += head;
-    n -= head;
-    for (; n >= 64; n -= 64, to += 64, from += 64, ahead += 64) {
-        _mm_prefetch(ahead, _MM_HINT_T1);
-        __m128i a = _mm_loadu_si128((const __m128i *)from);
-        __m128i b = _mm_loadu_si128((const __m128i *)(from + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(from + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(from + 48));
-        _mm_stream_si128((__m128i *)to, a);
-        _mm_stream_si128((__m128i *)(to + 16), b);
-        _mm_stream_si128((__m128i *)(to + 32), c);
-        _mm_stream_si128((__m128i *)(to + 48), d);
-    }
-    memcpy(to, from, n);
+    if (ahead == NULL)
+        stream_run(to, from, n, NULL);
+    else
+        stream_run(to, from, n, ahead);
 }
 #else
 static void copy_run(char *to, const char *from, size_t n) { memcpy(to, from, n); }
