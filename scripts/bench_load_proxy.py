@@ -27,7 +27,9 @@ with the connector's default dump threads, into a store with room, and waits for
 for a finished request; fresh keys each pass, ``--values`` of them (900 of 1 MiB, as a
 load's: one memory tier holds every pass, 11 GB, made and mapped before the first). A
 dump pass ends when its last value is stored (the last ``put_many`` returned), not when
-the thread waiting for it gets the GIL back.
+the thread waiting for it gets the GIL back. In both roles every page of the memory tier
+is read once after it is mapped, before the first pass (:func:`_read_every_page`: this
+host loses the mapping of memory populated and left alone, which a GPU host does not).
 
 Reported: GB/s alone and beside the Python thread, host CPU-seconds per GB loaded (the
 load threads' own, from ``getrusage`` per thread), wall alone against the floor, GIL
@@ -144,6 +146,33 @@ class _Hog:
     def __exit__(self, *exc: object) -> None:
         self._proc.kill()
         self._proc.wait()
+
+
+def _read_every_page(tier: Any) -> float:
+    """Read one byte of every page of ``tier``'s segments, the last segment first (the
+    first puts take the first segments): the seconds it took.
+
+    Why, on this host and not in the store: it is a virtual machine (KVM, nested, with
+    free page reporting to its host) that loses the mapping of memory populated and then
+    left alone, beyond a few GB. After a tier of 11 GB was populated, the first writes
+    into its first segments ran at 1-8 GB/s, without a page fault the guest sees, and
+    every later write at 23-27; a probe without the store (a 2.7 GB tmpfs file mapped
+    with ``MAP_POPULATE``, then written) did the same, a tier of 2-4 GB never. The first
+    dump pass of each process took 3x its steady ones. Any access before, a read of one
+    byte per page included, took that away; ``MADV_POPULATE_WRITE`` did not. A GPU host
+    does not do this (a VM with a GPU passed through has its memory pinned by its host),
+    so both roles start from a tier whose pages this host has mapped, and the seconds it
+    took are kept (near 0.04 s for 11 GB when nothing was lost)."""
+    import mmap
+
+    started = time.perf_counter()
+    for seg in reversed(range(tier.count)):
+        try:
+            view = tier.files.mapping(seg, 0)
+        except OSError:
+            continue  # never allocated (the warmer leaves the last quarter of a tmpfs)
+        bytes(view[:: mmap.PAGESIZE])
+    return time.perf_counter() - started
 
 
 def _used_since(before: Any) -> tuple[float, int]:
@@ -279,21 +308,24 @@ def read(
     nbytes = values * value_bytes
     floor = _Floor(nbytes)  # first: see _Floor
     store = _store(path, nbytes, value_bytes)
+    pages_read_s = 0.0
     if store.memory is not None:
         store.memory.wait_warm()
+        pages_read_s = _read_every_page(store.memory)  # see there: this host, not the store
     keys = _keys(values)
     rows = [keys[i : i + ROW_VALUES] for i in range(0, values, ROW_VALUES)]
     out: dict[str, Any] = {"values": values, "value_bytes": value_bytes, "threads": threads,
                            "switch_interval_s": sys.getswitchinterval(),
-                           "row_helper": rowcopy.available()}  # fmt: skip
-    cache = _Cache(values, value_bytes)
-    # the connector's own load threads (``LoadThreads``), started with it, before any
+                           "row_helper": rowcopy.available(),
+                           "pages_read_s": pages_read_s}  # fmt: skip
+    # the connector's own load threads (``LoadThreads``), started with it, long before any
     # load: a ``ThreadPoolExecutor`` starts its threads at the first submit, and its
     # second thread began the first pass 7-10 ms after the first (1-4 ms in a steady one)
     from ucm_patch.connector.load_threads import LoadThreads
 
     pool = LoadThreads(threads, name="ucm-load")
     try:
+        cache = _Cache(values, value_bytes)  # meanwhile (900 MiB written): the threads are up
         out["first"] = _load_all(store, pool, rows, cache, threads)
         out["alone"] = []
         for _ in range(repeat):
@@ -387,15 +419,34 @@ def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -
     scheduler, as the connector does, into a store with room for every pass (the first
     dump, ``repeat`` steady ones, two beside a Python thread, two beside a process that
     takes a core: :class:`_Hog`), fresh keys each pass (a
-    store in use takes new values into segments it already has)."""
+    store in use takes new values into segments it already has). Its tier's pages are
+    read once before the first dump (:func:`_read_every_page`: this host, not the store)."""
     from ucm_patch.hooks.device import CpuDevice
     from ucm_patch.hooks.dump.scheduler import DumpScheduler
 
     passes = 1 + repeat + 2 + 2
     floor = _Floor(values * value_bytes)  # first: see _Floor
-    # room for every pass and the segments a pass leaves part-filled, and no more: the
-    # whole tier is allocated and mapped before the first dump (9 GB for 900 values)
-    store = _store(path, passes * values * value_bytes, value_bytes, room=1.25)
+    # the connector's dump threads start with it, long before its first dump: started
+    # right before the first pass, they were still starting while it ran
+    sched = DumpScheduler(CpuDevice(), workers=threads, blocking_finish=True,
+                          name="ucm-proxy-dump")  # fmt: skip
+    store = None
+    try:
+        # room for every pass and the segments a pass leaves part-filled, and no more:
+        # the whole tier is allocated and mapped before the first dump (9 GB for 900 values)
+        store = _store(path, passes * values * value_bytes, value_bytes, room=1.25)
+        out = _dumps(sched, store, floor, values, value_bytes, threads, repeat)
+    finally:
+        sched.shutdown()
+        if store is not None:
+            store.close()
+    out["floor_s"], out["floor_samples"] = floor.seconds(), floor.samples
+    return out
+
+
+def _dumps(sched: Any, store: Any, floor: _Floor, values: int, value_bytes: int, threads: int,
+           repeat: int) -> dict[str, Any]:  # fmt: skip
+    """:func:`dump`'s passes, on ``sched`` into ``store``, just opened."""
     started = time.perf_counter()
     store.prepare_writes()  # as the connector's worker does at start
     if store.memory is not None:
@@ -406,33 +457,27 @@ def dump(path: Path, values: int, value_bytes: int, threads: int, repeat: int) -
     if not store.wait_writes_ready(30):
         raise SystemExit("bench_load_proxy: the store's cleaner process never served")
     start_s = time.perf_counter() - started
+    pages_read_s = _read_every_page(store.memory) if store.memory is not None else 0.0
     keys = _keys(values)
     rows = [keys[i : i + ROW_VALUES] for i in range(0, values, ROW_VALUES)]
     data = [memoryview(bytearray(os.urandom(value_bytes))) for _ in range(8)]  # staging
     out: dict[str, Any] = {"values": values, "value_bytes": value_bytes, "threads": threads,
                            "switch_interval_s": sys.getswitchinterval(),
-                           "start_s": start_s}  # fmt: skip
-    sched = DumpScheduler(CpuDevice(), workers=threads, blocking_finish=True,
-                          name="ucm-proxy-dump")  # fmt: skip
+                           "start_s": start_s, "pages_read_s": pages_read_s}  # fmt: skip
     client = sched.client("proxy")
-    try:
-        out["first"] = _dump_all(sched, client, store, rows, data, "first")
-        out["alone"] = []
-        for i in range(repeat):
-            out["alone"].append(_dump_all(sched, client, store, rows, data, f"alone{i}"))
-            floor.sample()
-        with _Spinner() as forward:
-            out["beside_python"] = [
-                _dump_all(sched, client, store, rows, data, f"beside{i}", forward) for i in range(2)
-            ]
-        with _Hog():
-            out["beside_hog"] = [
-                _dump_all(sched, client, store, rows, data, f"hog{i}") for i in range(2)
-            ]
-    finally:
-        sched.shutdown()
-    out["floor_s"], out["floor_samples"] = floor.seconds(), floor.samples
-    store.close()
+    out["first"] = _dump_all(sched, client, store, rows, data, "first")
+    out["alone"] = []
+    for i in range(repeat):
+        out["alone"].append(_dump_all(sched, client, store, rows, data, f"alone{i}"))
+        floor.sample()
+    with _Spinner() as forward:
+        out["beside_python"] = [
+            _dump_all(sched, client, store, rows, data, f"beside{i}", forward) for i in range(2)
+        ]
+    with _Hog():
+        out["beside_hog"] = [
+            _dump_all(sched, client, store, rows, data, f"hog{i}") for i in range(2)
+        ]
     return out
 
 
@@ -450,6 +495,7 @@ def merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("alone", "beside_python", "beside_hog"):
         if key in out:
             out[key] = [p for r in runs for p in r[key]]
+    out["pages_read_s"] = [r.get("pages_read_s", 0.0) for r in runs]
     out["floor_samples"] = [t for r in runs for t in r["floor_samples"]]
     out["floor_s"] = statistics.median(out["floor_samples"])
     out["processes"] = len(runs)

@@ -122,3 +122,40 @@ def test_a_dump_pass_ends_when_its_last_value_is_stored() -> None:
     waited_on = time.perf_counter()
     time.sleep(0.02)  # the waiter's late wake is not in the pass
     assert started + 0.03 <= stamped.last <= waited_on
+
+
+def test_the_proxies_read_every_page_of_the_memory_tier_once(tmp_path, monkeypatch) -> None:
+    """Before a proxy's first pass, one byte of every page of every segment of the memory
+    tier is read, the last segment first, and a segment that was never allocated is
+    passed over (not created)."""
+    import mmap
+
+    lp = load_script("bench_load_proxy")
+    store = lp._store(tmp_path, 64 << 20, 1 << 20)
+    tier = store.memory
+    assert tier is not None
+    for seg in range(tier.count):  # allocated and mapped, as the warmer does where it runs
+        tier.files.mapping(seg, 0, write=True)
+    seen: list[tuple[int, int]] = []
+    real = type(tier.files).mapping
+
+    def mapping(self, seg: int, end: int, write: bool = False):  # type: ignore[no-untyped-def]
+        assert not write, "a page reader must not create or write a segment"
+        if seg == tier.count - 2:
+            raise FileNotFoundError(seg)  # as a segment the warmer left unallocated
+        view = real(self, seg, end, write)
+
+        class Counted:
+            def __getitem__(self, key: slice) -> memoryview:
+                part = view[key]
+                seen.append((seg, len(part)))
+                return part
+
+        return Counted()
+
+    monkeypatch.setattr(type(tier.files), "mapping", mapping)
+    assert lp._read_every_page(tier) >= 0.0
+    pages = tier.segment_bytes // mmap.PAGESIZE
+    expect = [(seg, pages) for seg in reversed(range(tier.count)) if seg != tier.count - 2]
+    assert seen == expect
+    store.close()
