@@ -84,6 +84,13 @@ def load_proxy_targets(d: dict[str, Any] | None) -> list[tuple[str, str, str, st
                  "(information)", ", ".join(f"{r:.2f}x" for r in sorted(ratios)),
                  "(information)")
             )  # fmt: skip
+        read = run.get("pages_read_s")
+        if isinstance(read, list) and read:  # what this host had dropped (docs/CONNECTOR.md)
+            rows.append(
+                (f"{who} proxy, seconds to read every page of the memory tier before the "
+                 "first pass, per process (this host drops idle memory's mapping)",
+                 "(information)", ", ".join(f"{t:.2f}" for t in read), "(information)")
+            )  # fmt: skip
     old = d.get("per_value", {}).get("summary")
     if old:  # the same loads without the row helper (a host with no C compiler)
         rows.append(

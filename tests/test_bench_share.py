@@ -128,10 +128,22 @@ def test_the_proxies_read_every_page_of_the_memory_tier_once(tmp_path, monkeypat
     """Before a proxy's first pass, one byte of every page of every segment of the memory
     tier is read, the last segment first, and a segment that was never allocated is
     passed over (not created)."""
-    import mmap
+    import shutil
+
+    from ucm_patch.hooks.stores.local import default_memory_path
 
     lp = load_script("bench_load_proxy")
-    store = lp._store(tmp_path, 64 << 20, 1 << 20)
+    store = lp._store(tmp_path, 64 << 20, 1 << 20)  # keeps its memory tier at close
+    try:
+        _reads_every_page(lp, store, monkeypatch)
+    finally:
+        store.close()
+        shutil.rmtree(default_memory_path(tmp_path / "disk"), ignore_errors=True)
+
+
+def _reads_every_page(lp, store, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import mmap
+
     tier = store.memory
     assert tier is not None
     for seg in range(tier.count):  # allocated and mapped, as the warmer does where it runs
@@ -158,4 +170,3 @@ def test_the_proxies_read_every_page_of_the_memory_tier_once(tmp_path, monkeypat
     pages = tier.segment_bytes // mmap.PAGESIZE
     expect = [(seg, pages) for seg in reversed(range(tier.count)) if seg != tier.count - 2]
     assert seen == expect
-    store.close()
