@@ -170,3 +170,14 @@ def _reads_every_page(lp, store, monkeypatch) -> None:  # type: ignore[no-untype
     pages = tier.segment_bytes // mmap.PAGESIZE
     expect = [(seg, pages) for seg in reversed(range(tier.count)) if seg != tier.count - 2]
     assert seen == expect
+
+
+def test_a_ratio_that_misses_its_limit_never_reads_as_the_limit() -> None:
+    """A ratio over its limit that two decimals would round onto it (1.254 against 1.25)
+    gets a third decimal; every other ratio keeps two."""
+    rl = load_script("bench_render_load")
+    assert rl._times(1.254, 1.25) == "1.254x"
+    assert rl._times(1.104, 1.1) == "1.104x"
+    assert rl._times(1.25, 1.25) == "1.25x"  # met: at the limit
+    assert rl._times(1.26, 1.25) == "1.26x"
+    assert rl._times(1.03, 1.1) == "1.03x"
