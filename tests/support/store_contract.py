@@ -150,6 +150,21 @@ def case_sizes_and_second_instance(h: Harness) -> None:
     assert other.get_many(list(reversed(keys))) == [v for _, v in reversed(items)]
 
 
+def _mismatches(batch: list[tuple[str, bytes]], got: list[bytes | None]) -> list[str]:
+    """Each key read back other than put, and how: missing (a miss, or a get that failed
+    and said so by None) or other bytes. It has failed in a full unit run here and
+    passed alone: which of the two it was decides where to look."""
+    out = []
+    for (key, want), value in zip(batch, got, strict=True):
+        if value is None:
+            out.append(f"{key}: missing")
+        elif value != want:
+            same = len(value) == len(want)
+            out.append(f"{key}: {len(value)} bytes for {len(want)}" if not same
+                       else f"{key}: other bytes of its size")  # fmt: skip
+    return out
+
+
 def case_concurrent_threads(h: Harness) -> None:
     """Threads putting and getting (shared and own keys) all see exact values."""
     s = h.make()
@@ -163,7 +178,10 @@ def case_concurrent_threads(h: Harness) -> None:
                 batch = own[start : start + 5] + shared[t % 4 : t % 4 + 3]
                 assert s.put_many(batch) == [True] * len(batch)
                 got = s.get_many([k for k, _ in batch])
-                assert got == [v for _, v in batch], f"thread {t} read wrong data"
+                assert got == [v for _, v in batch], (
+                    f"thread {t} read wrong data: {_mismatches(batch, got)}; "
+                    f"store counters {dict(getattr(s, 'stats', {}))}"
+                )
         except BaseException as exc:  # collected and re-raised in the main thread
             errors.append(exc)
 
