@@ -135,12 +135,13 @@ def test_a_put_spanning_segments_is_one_copy_and_two_requests(
     mine = sorted(seg for seg, row in rows.items() if row.owner == os.getpid())
     # the two segments filled were given back in their publishes; the last one is kept,
     # with room for a put like this one asked for in the same request (at most
-    # SPARE_SEGMENTS segments)
+    # spare_segments of the tier's reserve)
     full = [seg for seg, row in rows.items() if row.end + record_bytes(VALUE) > SEG]
     assert len(full) == 2 and not set(full) & set(mine)
     wrote = len(keys) * record_bytes(VALUE)
     last_room = SEG - rows[max(mine, key=lambda seg: rows[seg].end)].end
-    spare = min(tier_beside_writes.SPARE_SEGMENTS, -(-(wrote - last_room) // SEG))
+    most = tier_beside_writes.spare_segments(memory.reserve)
+    spare = min(most, -(-(wrote - last_room) // SEG))
     assert len(mine) == 1 + spare and memory.holds_kept_lease()
     # the next puts start in the kept leases: one request each, however they fall
     sent = client.sent
@@ -230,3 +231,36 @@ def test_a_request_not_sent_whole_is_published_by_the_writer(
     later = [f"later{i}" for i in range(3)]
     assert all(_beside(lambda: store.put_many([(k, value(k)) for k in later])))
     assert store.get_many(later) == [value(k) for k in later]
+
+
+def test_a_large_tier_keeps_room_for_a_put_of_several_segments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a tier whose reserve is large, a put that spans several segments keeps leases
+    with room for a put like it (up to half the reserve), so that the next one, alike,
+    sends one request (its publishes) and none for leases: beside the forward, each
+    request's answer is a GIL take. A tier with a small reserve keeps SPARE_SEGMENTS."""
+    big = LocalStore(
+        tmp_path / "kv", capacity_bytes=256 * SEG, memory_bytes=64 * SEG,
+        memory_path=tmp_path / "shm", segment_bytes=SEG,
+    )  # fmt: skip
+    try:
+        memory, client = _serving(big)
+        most = tier_beside_writes.spare_segments(memory.reserve)
+        assert tier_beside_writes.SPARE_SEGMENTS < most <= memory.reserve // 2
+        per_segment = SEG // record_bytes(VALUE)
+        n = (most - 1) * per_segment + per_segment // 2  # spans ``most`` segments
+        python_sends = _python_sends(monkeypatch)
+        for round_ in range(3):
+            keys = [f"r{round_}/{i}" for i in range(n)]
+            sent = client.sent
+            assert all(_beside(lambda k=keys: big.put_many([(x, value(x)) for x in k])))
+            if round_:  # kept by the put before: its publishes only, sent natively
+                assert client.sent - sent == 1, f"round {round_}: {client.sent - sent} requests"
+            assert big.get_many(keys) == [value(k) for k in keys]
+        assert python_sends[1:] == []  # after the first put's lease request, none
+    finally:
+        big.close()
+    for reserve in range(64):
+        keep = tier_beside_writes.spare_segments(reserve)
+        assert keep == max(tier_beside_writes.SPARE_SEGMENTS, reserve // 2)

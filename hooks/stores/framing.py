@@ -384,9 +384,12 @@ def scatter_verified_many(
     if secret is None and _xxh3_64_int is not None:
         for key, header, src, target in entries:
             n = len(src)
-            if n != target.nbytes or header[:_PREFIX] != (_prefixes.get(n) or _unkeyed_prefix(n)):
+            prefix = _prefixes.get(n) or _unkeyed_prefix(n)
+            if n != target.nbytes or header[:_PREFIX] != prefix:
                 break  # not a frame of this version: every value its own way
-            seed = bytes(header[:_PREFIX]) + key
+            # the seed hashed here (a few dozen bytes: xxhash keeps the GIL for them), so
+            # that the helper gets an int, not the address of a bytes object to hash
+            seed = _xxh3_64_int(prefix + key)
             batch.append((src, seed, _U32.unpack_from(header, _PREFIX)[0], target))
     whole = bool(batch) and len(batch) == len(entries)
     checked = rowcopy.scatter_verify_many(batch, marks, flags) if whole else None

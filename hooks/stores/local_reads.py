@@ -6,6 +6,7 @@ value that fails it is dropped from the index and counted, never served.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
@@ -162,7 +163,6 @@ class LocalReads(KVStore):
     ) -> None:
         kbs = [key_bytes(k) for k in keys]
         todo = list(range(len(keys)))
-        digests = [digest_of(kb) for kb in kbs]
         hits = corrupt = nbytes = memory_hits = 0
         try:
             for tier in self.tiers:
@@ -172,7 +172,9 @@ class LocalReads(KVStore):
                     tier.files.new_batch()
                     locs = [located[i] for i in todo]
                 else:
-                    locs = tier.lookup([digests[i] for i in todo])
+                    # digests made per tier asked, not up front: a load's values were
+                    # looked up by the caller, and its read needs none of them
+                    locs = tier.lookup([digest_of(kbs[i]) for i in todo])
                 got: list[tuple[int, Loc, bytes]] = []
                 found = [(i, loc) for i, loc in zip(todo, locs, strict=True) if loc is not None]
                 if into is not None:  # into buffers: every value of the tier in one call
@@ -183,28 +185,29 @@ class LocalReads(KVStore):
                             got.append((i, loc, b""))
                             continue
                         self._say_corrupt(tier, kbs[i], why)
-                        corrupt += self._corrupt(tier, digests[i], loc, keys[i])
+                        corrupt += self._corrupt(tier, digest_of(kbs[i]), loc, keys[i])
                     found = []  # a value of another size is a miss, never corrupt
                 elif targets is not None:  # into another memory: the same, page by page
                     fits = [(i, loc) for i, loc in found
                             if loc.size - HEADER_SIZE == targets[i].nbytes]  # fmt: skip
                     scattered = [(loc, kbs[i], targets[i]) for i, loc in fits]
                     # the marks go with the first tier's call (get_many_scattered)
-                    ends = [(sum(1 for i, _l in fits if i < end), flag) for end, flag in marks]
+                    order = [i for i, _l in fits]  # ascending, as ``todo``
+                    ends = [(bisect_left(order, end), flag) for end, flag in marks]
                     results = tier.read_scattered_many(scattered, ends, flags)
                     for (i, loc), why in zip(fits, results, strict=True):
                         if why is None:
                             got.append((i, loc, b""))
                             continue
                         self._say_corrupt(tier, kbs[i], why)
-                        corrupt += self._corrupt(tier, digests[i], loc, keys[i])
+                        corrupt += self._corrupt(tier, digest_of(kbs[i]), loc, keys[i])
                     found = []
                 for i, loc in found:
                     value = self._read_one(tier, loc, kbs[i])
                     if value is not None:
                         got.append((i, loc, value))
                     else:
-                        corrupt += self._corrupt(tier, digests[i], loc, keys[i])
+                        corrupt += self._corrupt(tier, digest_of(kbs[i]), loc, keys[i])
                 current = tier.index.current([loc for _i, loc, _v in got])
                 used: set[int] = set()
                 for (i, loc, value), ok in zip(got, current, strict=True):

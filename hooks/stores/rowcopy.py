@@ -30,7 +30,9 @@ import shutil
 import stat
 import subprocess
 import threading
+from array import array
 from collections.abc import Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -516,63 +518,82 @@ def scatter_verify_many(
 def _scatter(
     helper: _Helper, items: Sequence[ScatterItem], marks: Marks = (), flags: Any = None
 ) -> list[bool] | None:
+    # The arguments are built as ``array`` columns and handed over by address, not set
+    # element by element into ctypes arrays: this runs on a load thread with the GIL held
+    # (900 values of 16 pages: 5.3 ms of Python per call before, the other load thread
+    # waiting for the GIL meanwhile; docs/CONNECTOR.md, "the load's Python").
     n = len(items)
     plans: list[PagePlan] = []
     index: dict[int, int] = {}  # id(plan) -> its index in ``plans``
-    plan_of = (ctypes.c_size_t * max(1, n))()
-    src = (ctypes.c_void_p * max(1, n))()
-    size = (ctypes.c_size_t * max(1, n))()
-    seed = (ctypes.c_uint64 * max(1, n))()
-    seed_src = (ctypes.c_void_p * max(1, n))()
-    seed_len = (ctypes.c_size_t * max(1, n))()
-    want = (ctypes.c_uint32 * max(1, n))()
-    first = (ctypes.c_size_t * max(1, n))()
-    flat = [p for _s, _sd, _w, t in items for p in t.pages]  # 0: not written (NULL)
-    dst_page = (ctypes.c_void_p * max(1, len(flat)))(*flat)
-    ok = (ctypes.c_uint8 * max(1, n))()
+    plan_of, src, size, first, seed, seed_src, seed_len = _cols(_WORD, 7)
+    want = array("I")
     at = 0
     for i, (s, sd, w, t) in enumerate(items):
-        if len(s) != t.nbytes:
-            raise ValueError(f"scatter_verify_many: item {i}: src has {len(s)} bytes, "
+        pages, plan = t.pages, t.plan
+        nbytes = len(s)
+        if nbytes != len(pages) * plan.page_bytes:
+            raise ValueError(f"scatter_verify_many: item {i}: src has {nbytes} bytes, "
                              f"its target {t.nbytes}")  # fmt: skip
         where = source_address(s)
         if where is None:
             return None
-        p = index.get(id(t.plan))
+        p = index.get(id(plan))
         if p is None:
-            p = index[id(t.plan)] = len(plans)
-            plans.append(t.plan)
-        plan_of[i] = p
-        src[i], size[i], want[i], first[i] = where, len(s), w, at
-        at += len(t.pages)
+            p = index[id(plan)] = len(plans)
+            plans.append(plan)
+        plan_of.append(p)
+        src.append(where)
+        size.append(nbytes)
+        want.append(w)
+        first.append(at)
+        at += len(pages)
         if type(sd) is bytes:  # kept alive by ``items`` for the call
-            seed_src[i], seed_len[i] = bytes_address(sd), len(sd)
+            seed.append(0)
+            seed_src.append(bytes_address(sd))
+            seed_len.append(len(sd))
         else:
-            seed[i] = sd
-    k = len(plans)
-    page_bytes = (ctypes.c_size_t * max(1, k))(*[p.page_bytes for p in plans])
-    run_first = (ctypes.c_size_t * max(1, k))()
-    run_count = (ctypes.c_size_t * max(1, k))()
+            seed.append(sd)
+            seed_src.append(0)
+            seed_len.append(0)
+    # every page of every value, 0 for one not written (NULL)
+    dst_page = array(_WORD, chain.from_iterable(t.pages for _s, _sd, _w, t in items))
     runs = [r for p in plans for r in p.runs]
-    run_src = (ctypes.c_size_t * max(1, len(runs)))(*[r[0] for r in runs])
-    run_dst = (ctypes.c_size_t * max(1, len(runs)))(*[r[1] for r in runs])
-    run_len = (ctypes.c_size_t * max(1, len(runs)))(*[r[2] for r in runs])
-    start = 0
-    for j, p in enumerate(plans):
-        run_first[j], run_count[j] = start, len(p.runs)
+    run_first, run_count, start = array(_WORD), array(_WORD), 0
+    for p in plans:
+        run_first.append(start)
+        run_count.append(len(p.runs))
         start += len(p.runs)
-    m = len(marks)
-    mark_end = (ctypes.c_size_t * max(1, m))(*[e for e, _f in marks])
-    mark_flag = (ctypes.c_size_t * max(1, m))(*[f for _e, f in marks])
-    if m and flags is None:
+    if marks and flags is None:
         raise ValueError("scatter_verify_many: marks without flags")
-    api = ctypes.byref(helper.api)
-    args = (n, src, size, seed, seed_src, seed_len, want, plan_of, page_bytes, run_first,
-            run_count, run_src, run_dst, run_len, first, dst_page, m, mark_end, mark_flag,
-            flags, api, ok)  # fmt: skip
+    ok = (ctypes.c_uint8 * max(1, n))()
+    # every column named here, so that each lives until the call returns
+    page_bytes = array(_WORD, [p.page_bytes for p in plans])
+    run_src, run_dst, run_len = (array(_WORD, [r[k] for r in runs]) for k in range(3))
+    mark_end = array(_WORD, [e for e, _f in marks])
+    mark_flag = array(_WORD, [f for _e, f in marks])
+    columns = (src, size, seed, seed_src, seed_len, want, plan_of, page_bytes, run_first,
+               run_count, run_src, run_dst, run_len, first, dst_page)  # fmt: skip
+    args = (n, *map(_at, columns), len(marks), _at(mark_end), _at(mark_flag), flags,
+            ctypes.byref(helper.api), ok)  # fmt: skip
     if helper.scatter(*args) != 0:
         return None
-    return [bool(ok[i]) for i in range(n)]
+    return [x != 0 for x in ok[:n]]
+
+
+#: The ``array`` typecode of a C ``size_t`` (and of a pointer: the same width wherever
+#: vLLM runs), for the helper's argument columns.
+_WORD = next(c for c in "QLI" if array(c).itemsize == ctypes.sizeof(ctypes.c_size_t))
+
+
+def _cols(typecode: str, k: int) -> tuple[array[int], ...]:
+    """``k`` empty ``array`` columns of ``typecode``."""
+    return tuple(array(typecode) for _ in range(k))
+
+
+def _at(column: array[int]) -> int | None:
+    """Where ``column``'s items start (None, a NULL, when it has none: the helper reads
+    none of it then); valid while the caller holds ``column`` and does not grow it."""
+    return column.buffer_info()[0] if len(column) else None
 
 
 def wait_flag(flag_address: int, timeout_s: float) -> bool:

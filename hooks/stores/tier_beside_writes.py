@@ -11,7 +11,7 @@ Here the put's leases come first (those the process keeps, else one request for 
 needs), its values are copied and framed into every segment in one native call, and its
 publishes (each full segment given back in its own) go in one request, which also asks,
 once this put filled a segment, for leases with room for a put like it (at most
-:data:`SPARE_SEGMENTS`), kept for the next. A put then waits twice: its copy and its
+:func:`spare_segments`), kept for the next. A put then waits twice: its copy and its
 publish.
 
 Anything the channel cannot do (no cleaner process serving, an answer given up on, no
@@ -40,8 +40,23 @@ from ucm_patch.hooks.stores.tier_writes import TierWrites
 _PAD = bytes(FRAME_AT - 16)
 #: Most segments a put asks to keep leased for the next one (room for a put like itself):
 #: a put that finds none kept pays a request for its leases, one more GIL take beside the
-#: forward; the segments kept are ones the reserve would hold ready anyway.
+#: forward; the segments kept are ones the reserve would hold ready anyway. This many
+#: always, and up to half the tier's reserve (:func:`spare_segments`).
 SPARE_SEGMENTS = 2
+
+
+def spare_segments(reserve: int) -> int:
+    """Most segments a put keeps leased for the next one, in a tier whose cleaner keeps
+    ``reserve`` empty segments ready: :data:`SPARE_SEGMENTS`, or half the reserve where
+    that is more, so that one process never takes the reserve from the others.
+
+    Why more than 2 where the tier is large: a step's dumps of a long prefill are one put
+    of several segments per dump thread (900 values of 1 MiB over two threads: 8 segments
+    of 64 MiB each). With 2 kept, every such put asked for the other 6 first, and beside
+    vLLM's forward that request's answer cost a GIL take, up to the switch interval
+    (5 ms), before the copy began (the load proxy's dumps: their first copy started 13-25
+    ms after the step's first dump, and 7 ms with all 8 kept)."""
+    return max(SPARE_SEGMENTS, reserve // 2)
 
 
 class _Part:
@@ -239,7 +254,7 @@ class TierBesideWrites(TierWrites):
     ) -> tuple[list[tuple[_Part, Fragment]], int]:
         """The publish of every part that took records or is full (a full one given back
         in its publish), and the leases to ask for with them: once a segment was filled,
-        room for a put like this one (at most :data:`SPARE_SEGMENTS`), kept for the
+        room for a put like this one (at most :func:`spare_segments`), kept for the
         next."""
         pack = LOC.pack
         sent: list[tuple[_Part, Fragment]] = []
@@ -257,7 +272,7 @@ class TierBesideWrites(TierWrites):
         if any(p.full for p in parts):  # room for a put like this one, kept ahead
             wrote = sum([p.end - p.lease.end for p in parts])
             room = 0 if parts[-1].full else self.segment_bytes - parts[-1].end
-            spare = min(SPARE_SEGMENTS, -(-(wrote - room) // self.segment_bytes))
+            spare = min(spare_segments(self.reserve), -(-(wrote - room) // self.segment_bytes))
         return sent, spare
 
     def _publish_parts(
@@ -314,4 +329,4 @@ class TierBesideWrites(TierWrites):
             raise StoreError(f"{self.name} tier: lost segment {lost[0]} mid-write")
 
 
-__all__ = ["SPARE_SEGMENTS", "TierBesideWrites"]
+__all__ = ["SPARE_SEGMENTS", "TierBesideWrites", "spare_segments"]
