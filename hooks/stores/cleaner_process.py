@@ -19,6 +19,7 @@ import logging
 import os
 import select
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,13 @@ log = logging.getLogger(__name__)
 #: it did before, several writers' cleaners took much of the CPU the puts and the spills
 #: needed (docs/CONNECTOR.md, "Writing around a dry memory tier", has the figures).
 BUSY_POLL_S, IDLE_POLL_S = 0.002, 0.02
+
+#: The cleaner process's switch interval (a tenth of Python's default): how long its refill
+#: or spill thread may hold this process's GIL while a publish thread has a writer's
+#: request to answer. The writer's dump thread waits for that answer at the end of its
+#: put (beside the forward, inside the native call that copied the put), so its put
+#: ends when the answer comes (docs/CONNECTOR.md, "The copier", has the figures).
+ANSWER_SWITCH_S = 0.0005
 
 #: Niceness of the thread that writes spills to the disk tier. A put must not wait behind
 #: a spill: where a writer and that thread share a core, the scheduler runs the writer
@@ -173,6 +181,9 @@ def main(args: dict[str, Any]) -> None:
     """Run until SIGTERM or until the parent ``args["parent"]`` is gone: ``args`` holds
     the ``memory`` and ``disk`` tiers' specs."""
     logging.basicConfig(level=logging.WARNING, format="ucm_patch cleaner %(process)d: %(message)s")
+    # a publish thread answers a writer waiting at the end of its put: the refill's
+    # Python must not hold it off for the default switch interval (ANSWER_SWITCH_S)
+    sys.setswitchinterval(ANSWER_SWITCH_S)
     stopping = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
@@ -230,6 +241,7 @@ def main(args: dict[str, Any]) -> None:
 
 
 __all__ = [
+    "ANSWER_SWITCH_S",
     "BUSY_POLL_S",
     "IDLE_POLL_S",
     "SPILL_WRITE_NICE",

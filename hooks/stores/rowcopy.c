@@ -9,6 +9,7 @@
  * The checksum is the store's frame check (hooks/stores/framing.py): XXH3-64 of the
  * payload, seeded per value, low 32 bits. The XXH3 functions are passed in by address,
  * taken from the xxhash extension the store already imports, so nothing is linked here. */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
@@ -17,6 +18,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -268,10 +271,265 @@ int ucm_wait_flag(const uint8_t *flag, int64_t timeout_ns)
     }
 }
 
+/* A framing batch's value is hashed and copied a piece of this size at a time
+ * (ucm_rowframe, below). */
+#define FRAME_PIECE ((size_t)32 << 10)
+
+/* Value i of a framing batch: copied, hashed from its source, digest[i] set. */
+static void frame_value(void *state, const struct xxh3_api *api, size_t n, char *const *dst,
+                        const char *const *src, const size_t *len,
+                        const char *const *seed_src, const size_t *seed_len,
+                        uint64_t *digest, size_t i)
+{
+    api->reset(state, 0);
+    api->update(state, seed_src[i], seed_len[i]);
+    api->reset(state, api->digest(state));
+    for (size_t at = 0; at < len[i]; at += FRAME_PIECE) {
+        size_t k = len[i] - at < FRAME_PIECE ? len[i] - at : FRAME_PIECE;
+        api->update(state, src[i] + at, k);
+        copy_run_ahead(dst[i] + at, src[i] + at, k, next_piece(n, src, len, i, at + k));
+    }
+    digest[i] = api->digest(state);
+}
+
+/* ---- The copier: a put's framing on one more thread, inside the put's call ---------
+ *
+ * Why: beside vLLM's forward (a thread that keeps the interpreter lock) a dump thread
+ * begins its native copy only once it got that lock, up to the switch interval (5 ms)
+ * after it asked, and a second dump thread often a switch interval or two after the
+ * first (docs/CONNECTOR.md, "The copier", has the figures). Meanwhile one thread
+ * copied, while the forward left a core's time over. The copier is a thread with no
+ * interpreter lock to wait for: it joins a batch at once, and a second batch once the
+ * first is framed, so the thread that began late finds part of its batch done.
+ *
+ * One thread per process (made at first use, like the checksum helper below), woken
+ * per batch. A batch in a slot is framed by its caller and the copier together, each
+ * taking its next value from the slot's counter, so neither waits for the other to
+ * start, and a copier that wakes late (or never: the caller finished first) costs only
+ * its wake-up. The copier takes the posted batch with the most values left, then the
+ * next. A caller waits, before returning, only for the value the copier is framing of
+ * its batch, since the copier reads the caller's buffers. A caller that finds every
+ * slot taken frames its batch alone.
+ *
+ * The copier runs at the lowest priority (COPIER_NICE): it is help for a copy its caller
+ * does anyway, so it takes only a core nothing else wants, never one from the forward,
+ * the serving threads, or the store's cleaner process. At normal priority it took the
+ * core the cleaner needed to answer the second dump thread's lease request in a new
+ * process's first dump, which then came ten times later than at 19 (docs/CONNECTOR.md).
+ * A caller waiting for the value the copier frames sleeps (a few tens of microseconds
+ * at a time), so that the copier gets the core if it waits for that one. */
+#define COPY_MIN_BYTES ((size_t)2 << 20) /* below this a wake-up costs what it saves */
+#define COPIER_SLOTS 4
+#define COPIER_NICE 19 /* the copier thread's niceness (above: why the lowest) */
+
+enum { COPIER_IDLE, COPIER_FILLING, COPIER_POSTED, COPIER_RUNNING, COPIER_DONE };
+
+struct copier_batch {
+    int phase; /* COPIER_*: IDLE, its caller FILLING it, POSTED, the copier RUNNING it or
+                  DONE with it (its caller then sets IDLE) */
+    size_t n;
+    char *const *dst;
+    const char *const *src;
+    const size_t *len;
+    const char *const *seed_src;
+    const size_t *seed_len;
+    const struct xxh3_api *api;
+    uint64_t *digest;
+    size_t next; /* the next value to frame, by its caller or the copier */
+};
+
+static struct {
+    pthread_mutex_t lock; /* guards the wake-up: a slot's phase POSTED and the signal */
+    pthread_cond_t wake;
+    pid_t pid;  /* the process whose copier thread runs (none after a fork) */
+    int failed; /* no thread could be made: never tried again in this process */
+    struct copier_batch slot[COPIER_SLOTS];
+    uint64_t posted, framed, unstarted; /* batches posted, values it framed, batches it
+                                           never began (their callers did them all) */
+} copier = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, {{0}}, 0, 0, 0};
+
+static pthread_once_t copier_once = PTHREAD_ONCE_INIT;
+
+/* In a forked child (one thread, the copier left behind): a fresh lock, no copier yet. */
+static void copier_forked(void)
+{
+    pthread_mutex_init(&copier.lock, NULL);
+    pthread_cond_init(&copier.wake, NULL);
+    copier.pid = 0;
+    copier.failed = 0;
+    for (int k = 0; k < COPIER_SLOTS; k++)
+        copier.slot[k].phase = COPIER_IDLE;
+    copier.posted = copier.framed = copier.unstarted = 0;
+}
+
+static void copier_register(void) { pthread_atfork(NULL, NULL, copier_forked); }
+
+/* A posted batch taken (POSTED -> RUNNING), the one with the most values left; NULL
+ * when none is posted. */
+static struct copier_batch *copier_take(void)
+{
+    for (;;) {
+        struct copier_batch *best = NULL;
+        size_t most = 0;
+        for (int k = 0; k < COPIER_SLOTS; k++) {
+            struct copier_batch *b = &copier.slot[k];
+            if (__atomic_load_n(&b->phase, __ATOMIC_ACQUIRE) != COPIER_POSTED)
+                continue;
+            size_t at = __atomic_load_n(&b->next, __ATOMIC_RELAXED);
+            size_t left = at < b->n ? b->n - at : 0;
+            if (best == NULL || left > most) {
+                best = b;
+                most = left;
+            }
+        }
+        if (best == NULL)
+            return NULL;
+        int posted = COPIER_POSTED;
+        if (__atomic_compare_exchange_n(&best->phase, &posted, COPIER_RUNNING, 0,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return best;
+        /* taken back by its caller meanwhile: look again */
+    }
+}
+
+static void *copier_main(void *unused)
+{
+    (void)unused;
+    pthread_setname_np(pthread_self(), "ucm-copier");
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), COPIER_NICE);
+    void *state = NULL;
+    const struct xxh3_api *made = NULL;
+    for (;;) {
+        struct copier_batch *b = copier_take();
+        if (b == NULL) {
+            pthread_mutex_lock(&copier.lock);
+            while ((b = copier_take()) == NULL)
+                pthread_cond_wait(&copier.wake, &copier.lock);
+            pthread_mutex_unlock(&copier.lock);
+        }
+        const struct xxh3_api *api = b->api;
+        if (state == NULL || api != made) {
+            if (state != NULL)
+                made->free_state(state);
+            state = api->create();
+            made = api;
+        }
+        while (state != NULL) { /* (no hash state: its caller frames them all) */
+            size_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
+            if (i >= b->n)
+                break;
+            frame_value(state, api, b->n, b->dst, b->src, b->len, b->seed_src, b->seed_len,
+                        b->digest, i);
+            __atomic_add_fetch(&copier.framed, 1, __ATOMIC_RELAXED);
+        }
+        store_fence(); /* this thread's streamed bytes visible before its caller sees DONE */
+        __atomic_store_n(&b->phase, COPIER_DONE, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+/* Whether this process has a copier thread, making it the first time. */
+static int copier_started(void)
+{
+    pid_t me = getpid();
+    if (__atomic_load_n(&copier.pid, __ATOMIC_ACQUIRE) == me)
+        return 1;
+    pthread_once(&copier_once, copier_register);
+    pthread_mutex_lock(&copier.lock);
+    if (copier.pid != me && !copier.failed) {
+        pthread_attr_t attr;
+        pthread_t thread;
+        sigset_t all, old;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, (size_t)256 << 10);
+        sigfillset(&all); /* signals stay with the interpreter's threads */
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        if (pthread_create(&thread, &attr, copier_main, NULL) == 0)
+            __atomic_store_n(&copier.pid, me, __ATOMIC_RELEASE);
+        else
+            copier.failed = 1;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+    }
+    int up = copier.pid == me;
+    pthread_mutex_unlock(&copier.lock);
+    return up;
+}
+
+/* Post a batch to the copier: its slot (the caller then takes its values from the
+ * slot's counter), or NULL when too small, every slot taken, or no copier. */
+static struct copier_batch *copier_post(size_t n, char *const *dst, const char *const *src,
+                                        const size_t *len, const char *const *seed_src,
+                                        const size_t *seed_len, const struct xxh3_api *api,
+                                        uint64_t *digest)
+{
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += len[i];
+    if (n < 2 || total < COPY_MIN_BYTES || !copier_started())
+        return NULL;
+    struct copier_batch *b = NULL;
+    for (int k = 0; k < COPIER_SLOTS && b == NULL; k++) {
+        int idle = COPIER_IDLE;
+        if (__atomic_compare_exchange_n(&copier.slot[k].phase, &idle, COPIER_FILLING, 0,
+                                        __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+            b = &copier.slot[k];
+    }
+    if (b == NULL)
+        return NULL;
+    b->n = n;
+    b->dst = dst;
+    b->src = src;
+    b->len = len;
+    b->seed_src = seed_src;
+    b->seed_len = seed_len;
+    b->api = api;
+    b->digest = digest;
+    __atomic_store_n(&b->next, 0, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&copier.posted, 1, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&copier.lock);
+    __atomic_store_n(&b->phase, COPIER_POSTED, __ATOMIC_RELEASE);
+    pthread_cond_signal(&copier.wake);
+    pthread_mutex_unlock(&copier.lock);
+    return b;
+}
+
+/* The caller has taken the last value of its batch: take the batch back from a copier
+ * that never began it, or wait while the copier frames its last one of it; then the
+ * slot is free again, and the copier reads none of the caller's buffers. */
+static void copier_let_go(struct copier_batch *b)
+{
+    int posted = COPIER_POSTED;
+    if (__atomic_compare_exchange_n(&b->phase, &posted, COPIER_IDLE, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE)) {
+        __atomic_add_fetch(&copier.unstarted, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    struct timespec nap = {0, 20000};
+    for (unsigned spins = 0; __atomic_load_n(&b->phase, __ATOMIC_ACQUIRE) != COPIER_DONE;
+         spins++) {
+        if (spins >= 64)
+            nanosleep(&nap, NULL); /* its core to the copier, if that is where it waits */
+    }
+    __atomic_store_n(&b->phase, COPIER_IDLE, __ATOMIC_RELEASE);
+}
+
+/* The copier's counts: out[0] batches posted to it, out[1] values it framed, out[2]
+ * batches it never began; out[3] 1 when its thread runs in this process. */
+void ucm_copier_stats(uint64_t *out)
+{
+    out[0] = __atomic_load_n(&copier.posted, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&copier.framed, __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&copier.unstarted, __ATOMIC_RELAXED);
+    out[3] = __atomic_load_n(&copier.pid, __ATOMIC_ACQUIRE) == getpid();
+}
+
 /* A batch of values copied into a store and framed, in one call: for each i < n, len[i]
  * bytes from src[i] to dst[i], and digest[i] = XXH3-64 of them, seeded as in ucm_rowcopy.
  * The caller builds each frame's header from it. Returns 0, or -1 when no hash state
- * could be made (nothing copied).
+ * could be made (nothing copied). A batch of COPY_MIN_BYTES or more is shared with the
+ * copier (above): the caller's thread and the copier take its values in turn.
  *
  * Each piece is hashed from the source, then copied from the cache it was just read into
  * and written around the caches (copy_run), as ucm_scatter does. Why: a store's segment
@@ -280,7 +538,6 @@ int ucm_wait_flag(const uint8_t *flag, int64_t timeout_ns)
  * memory before writing it. Hashed from the source, the value moves through memory once
  * each way. A source changed while it is copied gives a frame whose check fails on read:
  * the value is then reported damaged, never served torn. */
-#define FRAME_PIECE ((size_t)32 << 10)
 int ucm_rowframe(size_t n, char *const *dst, const char *const *src, const size_t *len,
                  const char *const *seed_src, const size_t *seed_len,
                  const struct xxh3_api *api, uint64_t *digest)
@@ -288,17 +545,17 @@ int ucm_rowframe(size_t n, char *const *dst, const char *const *src, const size_
     void *state = api->create();
     if (state == NULL)
         return -1;
-    for (size_t i = 0; i < n; i++) {
-        api->reset(state, 0);
-        api->update(state, seed_src[i], seed_len[i]);
-        api->reset(state, api->digest(state));
-        for (size_t at = 0; at < len[i]; at += FRAME_PIECE) {
-            size_t k = len[i] - at < FRAME_PIECE ? len[i] - at : FRAME_PIECE;
-            api->update(state, src[i] + at, k);
-            copy_run_ahead(dst[i] + at, src[i] + at, k, next_piece(n, src, len, i, at + k));
-        }
-        digest[i] = api->digest(state);
+    size_t alone = 0;
+    struct copier_batch *shared = copier_post(n, dst, src, len, seed_src, seed_len, api, digest);
+    size_t *next = shared != NULL ? &shared->next : &alone;
+    for (;;) {
+        size_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i >= n)
+            break;
+        frame_value(state, api, n, dst, src, len, seed_src, seed_len, digest, i);
     }
+    if (shared != NULL)
+        copier_let_go(shared);
     store_fence(); /* the streamed bytes visible before the caller publishes them */
     api->free_state(state);
     return 0;

@@ -6,7 +6,9 @@ Beside vLLM's forward, a thread that keeps the GIL, each take back waits up to t
 interval: on the H100 the load threads spent several times the work of a value waiting
 for it (docs/GPU.md, run 4). ``rowcopy.c`` does a whole row's copies and checksums in
 one call, piece by piece (each piece of a copy hashed from its source, then written from
-the cache it was just read into: rowcopy.c says why).
+the cache it was just read into: rowcopy.c says why). A put's framing of 2 MiB or more
+is shared with the process's copier, a thread of the helper at the lowest priority that
+takes values of the same batch (:func:`copier_stats`; rowcopy.c says why).
 
 The C file is compiled with the host's C compiler (``$CC``, else ``cc``) the first time a
 process needs it, into ``$XDG_CACHE_HOME/ucm_patch/native`` (``~/.cache`` by default;
@@ -66,6 +68,9 @@ class _Helper:
         self.hash_helper_stats = lib.ucm_hash_helper_stats
         self.hash_helper_stats.argtypes = [ctypes.c_void_p]
         self.hash_helper_stats.restype = None
+        self.copier_stats = lib.ucm_copier_stats
+        self.copier_stats.argtypes = [ctypes.c_void_p]
+        self.copier_stats.restype = None
         self.fn = fn
         self.scatter = scatter
         self.frame = frame
@@ -192,6 +197,11 @@ def _self_test(helper: _Helper) -> None:
     framed = xxhash.xxh3_64_intdigest(src, xxhash.xxh3_64_intdigest(material))
     if digests != [framed] or copy != src:
         raise OSError(f"frame self-test failed: {digests} != {[framed]}")
+    # enough values for the copier (rowcopy.c): each framed once, by either thread
+    copies = [memoryview(bytearray(len(src))) for _ in range(4)]
+    digests = _frame(helper, [(c, src, material) for c in copies])
+    if digests != [framed] * 4 or any(c != src for c in copies):
+        raise OSError(f"frame self-test (shared with the copier) failed: {digests}")
     _self_test_file(helper, src, material, framed)
     _self_test_send(helper, src, material, framed)
 
@@ -427,6 +437,29 @@ def hash_helper_stats() -> HashHelperStats | None:
     return HashHelperStats(out[0], out[1], out[2], bool(out[3]))
 
 
+class CopierStats(NamedTuple):
+    """The copier of :func:`frame_many` and :func:`frame_send` in this process (the
+    second thread that frames a put's values beside the caller's, rowcopy.c), counted
+    since it started (or since a fork): batches shared with it, values it framed,
+    batches it never began (its caller framed every value first), whether its thread
+    runs."""
+
+    posted: int
+    framed: int
+    unstarted: int
+    running: bool
+
+
+def copier_stats() -> CopierStats | None:
+    """:class:`CopierStats`, or None without the row helper."""
+    helper = _get()
+    if helper is None:
+        return None
+    out = (ctypes.c_uint64 * 4)()
+    helper.copier_stats(out)
+    return CopierStats(out[0], out[1], out[2], bool(out[3]))
+
+
 #: What :func:`frame_send` did: copied, sent, the answer readable; copied, sent, no
 #: answer in time; copied, the request not written whole (the channel is unusable).
 SEND_ANSWERED, SEND_LATE, SEND_CUT = 0, 1, 2
@@ -519,9 +552,9 @@ def _scatter(
     helper: _Helper, items: Sequence[ScatterItem], marks: Marks = (), flags: Any = None
 ) -> list[bool] | None:
     # The arguments are built as ``array`` columns and handed over by address, not set
-    # element by element into ctypes arrays: this runs on a load thread with the GIL held
-    # (900 values of 16 pages: 5.3 ms of Python per call before, the other load thread
-    # waiting for the GIL meanwhile; docs/CONNECTOR.md, "the load's Python").
+    # element by element into ctypes arrays: this runs on a load thread with the GIL held,
+    # the other load thread waiting for it meanwhile (docs/CONNECTOR.md, "The Python
+    # before a load's native copy", has the figures).
     n = len(items)
     plans: list[PagePlan] = []
     index: dict[int, int] = {}  # id(plan) -> its index in ``plans``
@@ -609,12 +642,14 @@ def wait_flag(flag_address: int, timeout_s: float) -> bool:
 __all__ = [
     "SOURCE",
     "XXH3_SYMBOLS",
+    "CopierStats",
     "FrameItem",
     "HashHelperStats",
     "Item",
     "Marks",
     "ScatterItem",
     "available",
+    "copier_stats",
     "copy_verify_many",
     "disable",
     "frame_many",

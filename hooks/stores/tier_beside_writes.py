@@ -53,9 +53,9 @@ def spare_segments(reserve: int) -> int:
     Why more than 2 where the tier is large: a step's dumps of a long prefill are one put
     of several segments per dump thread (900 values of 1 MiB over two threads: 8 segments
     of 64 MiB each). With 2 kept, every such put asked for the other 6 first, and beside
-    vLLM's forward that request's answer cost a GIL take, up to the switch interval
-    (5 ms), before the copy began (the load proxy's dumps: their first copy started 13-25
-    ms after the step's first dump, and 7 ms with all 8 kept)."""
+    vLLM's forward that request's answer cost a GIL take, up to the switch interval,
+    before the copy began (docs/CONNECTOR.md, "Leases kept for a put like the last", has
+    the figures)."""
     return max(SPARE_SEGMENTS, reserve // 2)
 
 
