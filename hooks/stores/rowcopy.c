@@ -313,11 +313,9 @@ static void frame_value(void *state, const struct xxh3_api *api, size_t n, char 
  *
  * The copier runs at the lowest priority (COPIER_NICE): it is help for a copy its caller
  * does anyway, so it takes only a core nothing else wants, never one from the forward,
- * the serving threads, or the store's cleaner process. At normal priority it took the
- * core the cleaner needed to answer the second dump thread's lease request in a new
- * process's first dump, which then came ten times later than at 19 (docs/CONNECTOR.md).
- * A caller waiting for the value the copier frames sleeps (a few tens of microseconds
- * at a time), so that the copier gets the core if it waits for that one. */
+ * the serving threads, or the store's cleaner process, whose answers a dump thread
+ * waits for. A caller waiting for the value the copier frames sleeps (a few tens of
+ * microseconds at a time), so that the copier gets the core if it waits for that one. */
 #define COPY_MIN_BYTES ((size_t)2 << 20) /* below this a wake-up costs what it saves */
 #define COPIER_SLOTS 4
 #define COPIER_NICE 19 /* the copier thread's niceness (above: why the lowest) */
