@@ -69,6 +69,7 @@ def test_a_small_batch_is_framed_by_the_caller_alone() -> None:
     before = _stats()
     _frame(_values(4, SMALL))
     _frame(_values(1))
+    _frame(_values(4))  # 4 MiB: less than a wake-up is worth
     assert _stats().posted == before.posted
 
 
@@ -80,7 +81,7 @@ def test_callers_at_once_each_frame_their_own_batch_right() -> None:
     def work(seed: int) -> None:
         try:
             for _ in range(5):
-                _frame(_values(6 + seed))
+                _frame(_values(8 + seed))
         except BaseException as exc:  # re-raised on the test's thread
             failed.append(exc)
 

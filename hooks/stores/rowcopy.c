@@ -316,7 +316,10 @@ static void frame_value(void *state, const struct xxh3_api *api, size_t n, char 
  * the serving threads, or the store's cleaner process, whose answers a dump thread
  * waits for. A caller waiting for the value the copier frames sleeps (a few tens of
  * microseconds at a time), so that the copier gets the core if it waits for that one. */
-#define COPY_MIN_BYTES ((size_t)2 << 20) /* below this a wake-up costs what it saves */
+/* Below this a batch is framed by its caller alone: a wake-up costs about what it saves,
+ * and a put of a value or two (a full store's, a decode step's row) never waits for a
+ * copier that a busier thread has taken the core from. */
+#define COPY_MIN_BYTES ((size_t)8 << 20)
 #define COPIER_SLOTS 4
 #define COPIER_NICE 19 /* the copier thread's niceness (above: why the lowest) */
 

@@ -6,7 +6,7 @@ Beside vLLM's forward, a thread that keeps the GIL, each take back waits up to t
 interval: on the H100 the load threads spent several times the work of a value waiting
 for it (docs/GPU.md, run 4). ``rowcopy.c`` does a whole row's copies and checksums in
 one call, piece by piece (each piece of a copy hashed from its source, then written from
-the cache it was just read into: rowcopy.c says why). A put's framing of 2 MiB or more
+the cache it was just read into: rowcopy.c says why). A put's framing of 8 MiB or more
 is shared with the process's copier, a thread of the helper at the lowest priority that
 takes values of the same batch (:func:`copier_stats`; rowcopy.c says why).
 
@@ -198,9 +198,9 @@ def _self_test(helper: _Helper) -> None:
     if digests != [framed] or copy != src:
         raise OSError(f"frame self-test failed: {digests} != {[framed]}")
     # enough values for the copier (rowcopy.c): each framed once, by either thread
-    copies = [memoryview(bytearray(len(src))) for _ in range(4)]
+    copies = [memoryview(bytearray(len(src))) for _ in range(16)]
     digests = _frame(helper, [(c, src, material) for c in copies])
-    if digests != [framed] * 4 or any(c != src for c in copies):
+    if digests != [framed] * 16 or any(c != src for c in copies):
         raise OSError(f"frame self-test (shared with the copier) failed: {digests}")
     _self_test_file(helper, src, material, framed)
     _self_test_send(helper, src, material, framed)
