@@ -292,6 +292,25 @@ static void frame_value(void *state, const struct xxh3_api *api, size_t n, char 
     digest[i] = api->digest(state);
 }
 
+/* A detached thread of a small stack running main, with every signal blocked (signals
+ * stay with the interpreter's threads): 1 when it was made. The copier and the checksum
+ * helper (below) are made so, once per process. */
+static int start_detached(void *(*main)(void *))
+{
+    pthread_attr_t attr;
+    pthread_t thread;
+    sigset_t all, old;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, (size_t)256 << 10);
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int made = pthread_create(&thread, &attr, main, NULL) == 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    return made;
+}
+
 /* ---- The copier: a put's framing on one more thread, inside the put's call ---------
  *
  * Why: beside vLLM's forward (a thread that keeps the interpreter lock) a dump thread
@@ -438,20 +457,10 @@ static int copier_started(void)
     pthread_once(&copier_once, copier_register);
     pthread_mutex_lock(&copier.lock);
     if (copier.pid != me && !copier.failed) {
-        pthread_attr_t attr;
-        pthread_t thread;
-        sigset_t all, old;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, (size_t)256 << 10);
-        sigfillset(&all); /* signals stay with the interpreter's threads */
-        pthread_sigmask(SIG_SETMASK, &all, &old);
-        if (pthread_create(&thread, &attr, copier_main, NULL) == 0)
+        if (start_detached(copier_main))
             __atomic_store_n(&copier.pid, me, __ATOMIC_RELEASE);
         else
             copier.failed = 1;
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
-        pthread_attr_destroy(&attr);
     }
     int up = copier.pid == me;
     pthread_mutex_unlock(&copier.lock);
@@ -700,20 +709,10 @@ static int helper_started(void)
     pthread_once(&helper_once, helper_register);
     pthread_mutex_lock(&helper.lock);
     if (helper.pid != me && !helper.failed) {
-        pthread_attr_t attr;
-        pthread_t thread;
-        sigset_t all, old;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, (size_t)256 << 10);
-        sigfillset(&all); /* signals stay with the interpreter's threads */
-        pthread_sigmask(SIG_SETMASK, &all, &old);
-        if (pthread_create(&thread, &attr, helper_main, NULL) == 0)
+        if (start_detached(helper_main))
             __atomic_store_n(&helper.pid, me, __ATOMIC_RELEASE);
         else
             helper.failed = 1;
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
-        pthread_attr_destroy(&attr);
     }
     int up = helper.pid == me;
     pthread_mutex_unlock(&helper.lock);

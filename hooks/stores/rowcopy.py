@@ -430,11 +430,7 @@ class HashHelperStats(NamedTuple):
 def hash_helper_stats() -> HashHelperStats | None:
     """:class:`HashHelperStats`, or None without the row helper."""
     helper = _get()
-    if helper is None:
-        return None
-    out = (ctypes.c_uint64 * 4)()
-    helper.hash_helper_stats(out)
-    return HashHelperStats(out[0], out[1], out[2], bool(out[3]))
+    return None if helper is None else HashHelperStats(*_counts(helper.hash_helper_stats))
 
 
 class CopierStats(NamedTuple):
@@ -453,11 +449,14 @@ class CopierStats(NamedTuple):
 def copier_stats() -> CopierStats | None:
     """:class:`CopierStats`, or None without the row helper."""
     helper = _get()
-    if helper is None:
-        return None
+    return None if helper is None else CopierStats(*_counts(helper.copier_stats))
+
+
+def _counts(read: Any) -> tuple[int, int, int, bool]:
+    """What a helper thread's stats function writes: three counts and whether it runs."""
     out = (ctypes.c_uint64 * 4)()
-    helper.copier_stats(out)
-    return CopierStats(out[0], out[1], out[2], bool(out[3]))
+    read(out)
+    return out[0], out[1], out[2], bool(out[3])
 
 
 #: What :func:`frame_send` did: copied, sent, the answer readable; copied, sent, no
