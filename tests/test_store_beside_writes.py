@@ -7,9 +7,11 @@ request the native call could not send whole is published by the writer."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,8 @@ import pytest
 from xxhash import xxh3_128_digest
 
 from tests.support.serving_store import SEG, VALUE, open_store, serving, value, wait_serving
-from ucm_patch.hooks.stores import rowcopy, tier_beside_writes
+from ucm_patch.hooks.stores import rowcopy, segment_files, tier_beside_writes
+from ucm_patch.hooks.stores.base import StoreError
 from ucm_patch.hooks.stores.framing import key_bytes
 from ucm_patch.hooks.stores.local import LocalStore
 from ucm_patch.hooks.stores.publish_channel import PublishChannels, PublishClient, beside_forward
@@ -264,3 +267,99 @@ def test_a_large_tier_keeps_room_for_a_put_of_several_segments(
     for reserve in range(64):
         keep = tier_beside_writes.spare_segments(reserve)
         assert keep == max(tier_beside_writes.SPARE_SEGMENTS, reserve // 2)
+
+
+def test_a_put_checks_its_segments_files_without_giving_the_gil_up(
+    store: LocalStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A memory tier's segment files are checked once per put (deleted or cut short
+    behind the store), by an ``fstat`` that keeps the GIL (rowcopy.fstat_held):
+    ``os.fstat`` gives it up, and beside the forward each give-up of a dump thread costs
+    a take back, up to the switch interval, before its copy starts (a file cut short
+    behind the store is still found: tests/test_store_segment_cut_short.py)."""
+    memory, _channels = _serving(store)
+    per_segment = SEG // record_bytes(VALUE)
+    warm = [f"w{i}" for i in range(2 * per_segment)]  # every segment this test uses opened
+    assert all(_beside(lambda: store.put_many([(k, value(k)) for k in warm])))
+    released: list[int] = []
+    held: list[int] = []
+    opened = set(memory.files._fds.values())
+    real_os, real_held = os.fstat, rowcopy.fstat_held
+    monkeypatch.setattr(segment_files.os, "fstat", lambda fd: released.append(fd) or real_os(fd))
+    monkeypatch.setattr(segment_files, "fstat_held",
+                        lambda fd: held.append(fd) or real_held(fd))  # fmt: skip
+    keys = [f"k{i}" for i in range(per_segment + per_segment // 2)]  # two segments or more
+    assert all(_beside(lambda: store.put_many([(k, value(k)) for k in keys])))
+    # os.fstat only for a file opened by this put (once per file and process)
+    assert not set(released) & opened and len(set(held)) >= 2
+    assert store.get_many(keys) == [value(k) for k in keys]
+
+
+def test_a_put_placed_past_its_part_copies_nothing(store: LocalStore) -> None:
+    """The native copy writes by address: every record's place is checked against its
+    part's end and its mapping before the call (a copy past a mapping would write into
+    whatever memory follows it). A part that ends before its records raises StoreError,
+    and nothing was copied."""
+    memory, _channels = _serving(store)
+    records = _records([f"p{i}" for i in range(3)])
+    sizes = [record_bytes(len(r[2])) for r in records]
+
+    def place() -> None:
+        lease = memory._take_kept()
+        assert lease is not None
+        try:
+            parts = tier_beside_writes._plan([lease], sizes, memory.segment_bytes)
+            parts[0].end -= sizes[-1]  # the last record now ends past its part
+            before = bytes(
+                memory.files.mapping(lease.seg, SEG, write=True)[lease.end : parts[0].end]
+            )
+            with pytest.raises(StoreError, match=r"records of segment \d+ end at \d+, past"):
+                memory._send_plan(records, [0, 1, 2], parts)
+            after = bytes(
+                memory.files.mapping(lease.seg, SEG, write=True)[lease.end : parts[0].end]
+            )
+            assert before == after
+        finally:
+            memory._keep(lease, sizes[0])
+
+    _beside(place)
+
+
+def test_fstat_held_answers_what_os_fstat_answers(tmp_path: Path) -> None:
+    """Size and link count as ``os.fstat``'s, for a file and for one removed (0 links: a
+    segment deleted behind the store); a bad descriptor raises OSError naming it."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(12345))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(2):
+            st, got = os.fstat(fd), rowcopy.fstat_held(fd)
+            assert (got.st_size, got.st_nlink) == (st.st_size, st.st_nlink)
+            path.unlink(missing_ok=True)
+        assert rowcopy.fstat_held(fd).st_nlink == 0
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match=f"fd {fd}"):
+        rowcopy.fstat_held(fd)
+    helper = rowcopy._get()
+    assert helper is not None
+    # loaded through PyDLL: the call keeps the GIL (a CDLL function gives it up)
+    assert helper.fstat_held._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+
+
+def test_frame_send_refuses_columns_of_several_lengths() -> None:
+    """A column shorter or of another width than the others is refused, naming it,
+    before the helper reads any of them."""
+    src = memoryview(bytearray(os.urandom(4096)))
+    dst = memoryview(bytearray(4096))
+    head = memoryview(bytearray(8))
+    planned = rowcopy.send_columns([(dst, src, b"material", head, b"lead")])
+    assert planned is not None
+    cols, head_len, _held = planned
+    short = cols._replace(size=array(rowcopy.WORD))
+    with pytest.raises(ValueError, match="column size has 0 entries"):
+        rowcopy.frame_send(short, head_len, -1, b"", -1, 0.0)
+    narrow = cols._replace(seed_len=array("b", [8]))
+    with pytest.raises(ValueError, match="column seed_len has 1 entries of 'b'"):
+        rowcopy.frame_send(narrow, head_len, -1, b"", -1, 0.0)
+    assert dst == bytes(4096)  # nothing copied

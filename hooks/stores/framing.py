@@ -58,12 +58,21 @@ import os
 import stat
 import struct
 import zlib
+from array import array
 from collections.abc import Callable, Sequence
-from typing import Any
+from itertools import accumulate
+from operator import add
+from typing import Any, NamedTuple
 
 from ucm_patch import environment
 from ucm_patch.hooks.stores import rowcopy
-from ucm_patch.hooks.stores.memcopy import addresses, copy_bytes, move
+from ucm_patch.hooks.stores.memcopy import (
+    addresses,
+    bytes_address,
+    copy_bytes,
+    move,
+    source_address,
+)
 from ucm_patch.hooks.stores.scatter import Scatter, scatter_from
 
 try:  # XXH3 (module docstring); CRC32 without the package
@@ -255,23 +264,66 @@ def copy_framed_many(
     return [p + _U32.pack(d & _LOW32) for p, d in zip(prefixes, digests, strict=True)]
 
 
+class SendPlan(NamedTuple):
+    """A put's records placed for :func:`copy_framed_send`: record ``i`` is ``keys[i]``
+    with ``payloads[i]``, copied to the address ``dst_at[i]``, its record header right
+    before it (``leads[i]``, then the frame header). Every address lies inside a mapping
+    in ``held``, and whoever placed the records checked that each ends inside it."""
+
+    keys: list[bytes]
+    payloads: list[memoryview | bytes]
+    leads: list[bytes]
+    dst_at: array[int]
+    held: list[memoryview]
+
+    def __len__(self) -> int:  # type: ignore[override]  # records, not fields
+        return len(self.keys)
+
+
 def copy_framed_send(
-    entries: Sequence[tuple[bytes, memoryview, memoryview | bytes, memoryview, bytes]],
-    request: bytes, request_fd: int, answer_fd: int, timeout_s: float,
+    plan: SendPlan, request: bytes, request_fd: int, answer_fd: int, timeout_s: float,
     secret: bytes | None = None,
 ) -> tuple[bool, bool] | None:  # fmt: skip
-    """For each (key, dst, src, head, lead): ``src`` copied into ``dst`` and framed, and
-    ``head`` (the record's header in place: ``lead``, the frame header) written; then
-    ``request`` sent on ``request_fd`` and ``answer_fd`` waited on, all in one call
-    (:func:`.rowcopy.frame_send`): (the request written whole, its answer readable). None
-    where that cannot be (as :func:`copy_framed_many`): nothing done."""
+    """Each record of ``plan`` copied into place and framed, its record header (its lead,
+    the frame header) written before it; then ``request`` sent on ``request_fd`` and
+    ``answer_fd`` waited on, all in one call (:func:`.rowcopy.frame_send`): (the request
+    written whole, its answer readable). None where that cannot be (as
+    :func:`copy_framed_many`): nothing done.
+
+    The helper's columns are built from integers: each seed material and each header's
+    bytes joined into one ``bytes`` and addressed by offset, a destination by the address
+    the tier computed, so that only a payload's own address is asked per value (this runs
+    with the GIL held, on a dump thread beside the forward)."""
     if secret is not None or _xxh3_64_int is None:
         return None
-    items = []
-    for key, dst, src, head, lead in entries:
-        prefix = _prefixes.get(len(src)) or _unkeyed_prefix(len(src))
-        items.append((dst, src, prefix + key, head, lead + prefix))
-    got = rowcopy.frame_send(items, request_fd, request, answer_fd, timeout_s)
+    payloads = plan.payloads
+    n = len(payloads)
+    if not n or not len(plan.keys) == len(plan.leads) == len(plan.dst_at) == n:
+        raise ValueError(f"copy_framed_send: {len(plan.keys)} keys, {n} payloads, "
+                         f"{len(plan.leads)} leads, {len(plan.dst_at)} places")  # fmt: skip
+    src = [source_address(p) for p in payloads]
+    if None in src:
+        return None
+    word = rowcopy.WORD
+    size = array(word, map(len, payloads))
+    prefixes = [_prefixes.get(k) or _unkeyed_prefix(k) for k in size]
+    seeds = list(map(add, prefixes, plan.keys))
+    seed_len = array(word, map(len, seeds))
+    seed_blob = b"".join(seeds)  # held until the call returns: the columns point into it
+    seed_src = array(word, accumulate(seed_len, initial=bytes_address(seed_blob)))
+    seed_src.pop()
+    heads = b"".join(map(add, plan.leads, prefixes))
+    head_len = len(plan.leads[0]) + len(prefixes[0])
+    if len(heads) != n * head_len:
+        raise ValueError(f"copy_framed_send: leads of several lengths ({len(heads)} bytes "
+                         f"for {n} of {head_len})")  # fmt: skip
+    at = bytes_address(heads)
+    head_src = array(word, range(at, at + n * head_len, head_len))
+    back = head_len + 4
+    head_dst = array(word, [d - back for d in plan.dst_at])
+    cols = rowcopy.SendColumns(plan.dst_at, array(word, src), size, seed_src, seed_len,
+                               head_dst, head_src)  # fmt: skip
+    got = rowcopy.frame_send(cols, head_len, request_fd, request, answer_fd, timeout_s)
     if got is None:
         return None
     code, _digests, _err = got

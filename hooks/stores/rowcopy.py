@@ -71,6 +71,11 @@ class _Helper:
         self.copier_stats = lib.ucm_copier_stats
         self.copier_stats.argtypes = [ctypes.c_void_p]
         self.copier_stats.restype = None
+        # the same library through PyDLL: its calls keep the GIL (for a system call of a
+        # microsecond, which os.* would give the GIL up around)
+        self.fstat_held = ctypes.PyDLL(lib._name).ucm_fstat_held
+        self.fstat_held.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        self.fstat_held.restype = ctypes.c_int
         self.fn = fn
         self.scatter = scatter
         self.frame = frame
@@ -215,8 +220,10 @@ def _self_test_send(helper: _Helper, src: memoryview, material: bytes, framed: i
         os.write(answer_w, b"!")
         copy = memoryview(bytearray(len(src)))
         head = memoryview(bytearray(8))
-        got = _frame_send(helper, [(copy, src, material, head, b"lead")], request_w,
-                          b"request", answer_r, 1.0)  # fmt: skip
+        planned = send_columns([(copy, src, material, head, b"lead")])
+        assert planned is not None  # bytearrays have addresses
+        cols, head_len, _held = planned
+        got = _frame_send(helper, cols, head_len, request_w, b"request", answer_r, 1.0)
         sent = os.read(request_r, 64)
     finally:
         for fd in (request_r, request_w, answer_r, answer_w):
@@ -446,6 +453,30 @@ class CopierStats(NamedTuple):
     running: bool
 
 
+class FileState(NamedTuple):
+    """What :func:`fstat_held` answers of a file (the fields of ``os.stat_result`` that
+    a segment's check reads)."""
+
+    st_size: int
+    st_nlink: int
+
+
+def fstat_held(fd: int) -> FileState | os.stat_result:
+    """``os.fstat(fd)``'s size and link count, the GIL kept for the call where the helper
+    is built (else ``os.fstat``, which gives it up). For a file whose ``fstat`` never
+    waits for a device (a memory tier's, on a tmpfs): a dump or load thread beside the
+    forward checks each segment's file once per batch, and each give-up of the GIL there
+    costs a take back, up to the switch interval. OSError as ``os.fstat``'s."""
+    helper = _get()
+    if helper is None:
+        return os.fstat(fd)
+    out = (ctypes.c_int64 * 2)()
+    err = helper.fstat_held(fd, out)
+    if err:
+        raise OSError(err, f"fstat of fd {fd}: {os.strerror(err)}")
+    return FileState(out[0], out[1])
+
+
 def copier_stats() -> CopierStats | None:
     """:class:`CopierStats`, or None without the row helper."""
     helper = _get()
@@ -463,62 +494,88 @@ def _counts(read: Any) -> tuple[int, int, int, bool]:
 #: answer in time; copied, the request not written whole (the channel is unusable).
 SEND_ANSWERED, SEND_LATE, SEND_CUT = 0, 1, 2
 
-#: One value of :func:`frame_send`: (dst, src, the bytes whose XXH3-64 is the seed, where
-#: its record header goes (header bytes and 4 more), the header's bytes before its
-#: checksum).
-SendItem = tuple[memoryview, memoryview | bytes, bytes, memoryview, bytes]
+
+class SendColumns(NamedTuple):
+    """A put's values for :func:`frame_send`, one ``array`` of C words (:data:`WORD`) per
+    field, entry ``i`` of each for value ``i``: where it goes, where it is read from, its
+    bytes, where its seed material starts and its length (the seed is XXH3-64 of it), where
+    its record header goes and where that header's bytes before the checksum are read
+    from (``head_len`` of them, the same for every value). Every address points into an
+    object the caller holds until the call returns, and was bounds-checked by whoever
+    placed the value (a copy out of bounds is not caught here)."""
+
+    dst: array[int]
+    src: array[int]
+    size: array[int]
+    seed_src: array[int]
+    seed_len: array[int]
+    head_dst: array[int]
+    head_src: array[int]
 
 
 def frame_send(
-    items: Sequence[SendItem], request_fd: int, request: bytes, answer_fd: int,
+    cols: SendColumns, head_len: int, request_fd: int, request: bytes, answer_fd: int,
     timeout_s: float,
 ) -> tuple[int, list[int], int] | None:  # fmt: skip
     """A put's copies and its publish request in one call without the GIL: each value
-    copied and framed as :func:`frame_many` does, its record header (the bytes given,
-    then the low 32 bits of the checksum, little-endian) written into place, then
-    ``request`` written to ``request_fd`` and ``answer_fd`` waited on until it has
-    something to read, both within ``timeout_s``. (:data:`SEND_ANSWERED` /
+    copied and framed as :func:`frame_many` does, its record header (the ``head_len``
+    bytes given, then the low 32 bits of the checksum, little-endian) written into
+    place, then ``request`` written to ``request_fd`` and ``answer_fd`` waited on until
+    it has something to read, both within ``timeout_s``. (:data:`SEND_ANSWERED` /
     :data:`SEND_LATE` / :data:`SEND_CUT`, the XXH3-64s, the errno of a write that
-    failed); None when nothing was done (no helper, a buffer without an address)."""
+    failed); None when nothing was done (no helper, no values). ValueError when the
+    columns differ in length."""
     helper = _get()
-    if helper is None or not items:
+    if helper is None or not cols.dst:
         return None
-    return _frame_send(helper, items, request_fd, request, answer_fd, timeout_s)
+    return _frame_send(helper, cols, head_len, request_fd, request, answer_fd, timeout_s)
 
 
 def _frame_send(
-    helper: _Helper, items: Sequence[SendItem], request_fd: int, request: bytes,
+    helper: _Helper, cols: SendColumns, head_len: int, request_fd: int, request: bytes,
     answer_fd: int, timeout_s: float,
 ) -> tuple[int, list[int], int] | None:  # fmt: skip
-    n = len(items)
-    dst = (ctypes.c_void_p * n)()
-    src = (ctypes.c_void_p * n)()
-    size = (ctypes.c_size_t * n)()
-    seed_src = (ctypes.c_void_p * n)()
-    seed_len = (ctypes.c_size_t * n)()
-    head_dst = (ctypes.c_void_p * n)()
-    head_src = (ctypes.c_void_p * n)()
+    # Columns by address, as _scatter's: this runs on a dump thread with the GIL held,
+    # beside the forward (docs/CONNECTOR.md, "The Python before a dump's native copy").
+    n = len(cols.dst)
+    for name, column in zip(SendColumns._fields, cols, strict=True):
+        if len(column) != n or column.typecode != _WORD:
+            raise ValueError(f"frame_send: column {name} has {len(column)} entries of "
+                             f"{column.typecode!r}, want {n} of {_WORD!r}")  # fmt: skip
     digest = (ctypes.c_uint64 * n)()
-    head_len = len(items[0][4])
-    for i, (d, s, material, head, lead) in enumerate(items):
-        if len(s) != len(d) or len(lead) != head_len or len(head) != head_len + 4:
-            raise ValueError(f"frame_send: item {i}: dst {len(d)} bytes, src {len(s)}, "
-                             f"header {len(head)} for {len(lead)} + 4")  # fmt: skip
-        at, into = addresses(d, s), address(head)
-        if at is None or into is None:
-            return None
-        dst[i], src[i], size[i] = at[0], at[1], len(d)
-        seed_src[i], seed_len[i] = bytes_address(material), len(material)
-        head_dst[i], head_src[i] = into, bytes_address(lead)
     err = ctypes.c_int(0)
     code = helper.frame_send(
-        n, dst, src, size, seed_src, seed_len, head_dst, head_src, head_len,
-        ctypes.byref(helper.api), digest, request_fd, bytes_address(request), len(request),
-        answer_fd, int(timeout_s * 1e9), ctypes.byref(err),
+        n, *map(_at, cols), head_len, ctypes.byref(helper.api), digest, request_fd,
+        bytes_address(request), len(request), answer_fd, int(timeout_s * 1e9),
+        ctypes.byref(err),
     )  # fmt: skip
     if code < 0:
         return None
     return code, list(digest), err.value
+
+
+def send_columns(
+    items: Sequence[tuple[memoryview, memoryview | bytes, bytes, memoryview, bytes]],
+) -> tuple[SendColumns, int, tuple[bytes, ...]] | None:
+    """:class:`SendColumns` of (dst, src, seed material, the record header's place (its
+    bytes and 4 more), the header's bytes before the checksum) per value, each buffer
+    checked here: (the columns, ``head_len``, the objects they point into beyond the
+    items); None where a buffer has no address. For a few values (the self-test): a put
+    builds its columns from the places it computed (:func:`~.framing.copy_framed_send`)."""
+    cols = SendColumns(*_cols(_WORD, 7))
+    head_len = len(items[0][4]) if items else 0
+    for i, (d, s, material, head, lead) in enumerate(items):
+        if len(s) != len(d) or len(lead) != head_len or len(head) != head_len + 4:
+            raise ValueError(f"send_columns: item {i}: dst {len(d)} bytes, src {len(s)}, "
+                             f"header {len(head)} for {len(lead)} + 4")  # fmt: skip
+        at, into = addresses(d, s), address(head)
+        if at is None or into is None:
+            return None
+        values = (at[0], at[1], len(d), bytes_address(material), len(material), into,
+                  bytes_address(lead))  # fmt: skip
+        for column, value in zip(cols, values, strict=True):
+            column.append(value)
+    return cols, head_len, tuple(m for _d, _s, m, _h, _l in items)
 
 
 #: One value of :func:`scatter_verify_many`: (src, seed, want, target); the seed as in
@@ -615,6 +672,8 @@ def _scatter(
 #: The ``array`` typecode of a C ``size_t`` (and of a pointer: the same width wherever
 #: vLLM runs), for the helper's argument columns.
 _WORD = next(c for c in "QLI" if array(c).itemsize == ctypes.sizeof(ctypes.c_size_t))
+#: The typecode of :class:`SendColumns`' columns, for the callers that build them.
+WORD = _WORD
 
 
 def _cols(typecode: str, k: int) -> tuple[array[int], ...]:
@@ -640,19 +699,25 @@ def wait_flag(flag_address: int, timeout_s: float) -> bool:
 
 __all__ = [
     "SOURCE",
+    "WORD",
     "XXH3_SYMBOLS",
     "CopierStats",
+    "FileState",
     "FrameItem",
     "HashHelperStats",
     "Item",
     "Marks",
     "ScatterItem",
+    "SendColumns",
     "available",
     "copier_stats",
     "copy_verify_many",
     "disable",
     "frame_many",
+    "frame_send",
+    "fstat_held",
     "hash_helper_stats",
     "scatter_verify_many",
+    "send_columns",
     "wait_flag",
 ]

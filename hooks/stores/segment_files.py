@@ -38,6 +38,7 @@ from typing import Any
 from ucm_patch.hooks.stores.framing import CorruptValue
 from ucm_patch.hooks.stores.memcopy import copy_bytes
 from ucm_patch.hooks.stores.ownership import ForeignFile, open_file
+from ucm_patch.hooks.stores.rowcopy import FileState, fstat_held
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ class FileSegments:
         self.segment_bytes = segment_bytes
         self.file_mode = file_mode
         self._fds: dict[int, int] = {}
-        self._checked: dict[int, tuple[int, os.stat_result]] = {}  # this batch's live_fd
+        # this batch's live_fd
+        self._checked: dict[int, tuple[int, FileState | os.stat_result]] = {}
         self._lock = threading.Lock()  # guards _fds; never held across I/O
 
     def where(self, seg: int) -> str:
@@ -156,7 +158,7 @@ class FileSegments:
     def _discard(self, extra: Any) -> None:
         """Drop an ``extra`` that lost the race to another thread's."""
 
-    def live_fd(self, seg: int, create: bool = False) -> tuple[int, os.stat_result]:
+    def live_fd(self, seg: int, create: bool = False) -> tuple[int, FileState | os.stat_result]:
         """The descriptor and its ``fstat``, reopened when the file was deleted behind the
         store since it was opened (a new file of that name may be the segment now).
         Checked once per batch (:meth:`new_batch`), not once per value."""
@@ -164,13 +166,17 @@ class FileSegments:
         if hit is not None:
             return hit
         fd = self.fd(seg, create)
-        st = os.fstat(fd)
+        st = self._fstat(fd)
         if st.st_nlink == 0:
             self.forget(seg)
             fd = self.fd(seg, create)
-            st = os.fstat(fd)
+            st = self._fstat(fd)
         self._checked[seg] = (fd, st)
         return fd, st
+
+    def _fstat(self, fd: int) -> FileState | os.stat_result:
+        """A segment file's ``fstat``, for :meth:`live_fd`."""
+        return os.fstat(fd)
 
     def new_batch(self) -> None:
         """Forget which files were checked: the next access to each checks it again."""
@@ -284,6 +290,11 @@ class MappedSegments(FileSegments):
         super().new_batch()
         self._seen = {}
 
+    def _fstat(self, fd: int) -> FileState | os.stat_result:
+        # A tmpfs file's fstat never waits for a device: made with the GIL kept, it costs
+        # a dump or load thread beside the forward no take back (rowcopy.fstat_held).
+        return fstat_held(fd)
+
     def _opened(self, seg: int, fd: int, create: bool) -> tuple[mmap.mmap, memoryview]:
         writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
         if create and writable and os.fstat(fd).st_blocks * 512 < self.segment_bytes:
@@ -327,7 +338,7 @@ class MappedSegments(FileSegments):
             return seen[0]
         fd, st = self.live_fd(seg, create)
         if st.st_size < end:  # grown since it was checked (a write), or truncated
-            st = os.fstat(fd)
+            st = self._fstat(fd)
             self._checked[seg] = (fd, st)
             if st.st_size < end:
                 raise CorruptValue(f"segment file is shorter than {end} bytes")

@@ -21,10 +21,17 @@ native helper) is left to :meth:`TierWrites.put`, which does it the usual way.
 from __future__ import annotations
 
 import os
+from array import array
 from collections.abc import Sequence
 
 from ucm_patch.hooks.stores.base import StoreError
-from ucm_patch.hooks.stores.framing import HEADER_SIZE, copy_framed_many, copy_framed_send
+from ucm_patch.hooks.stores.framing import (
+    HEADER_SIZE,
+    SendPlan,
+    copy_framed_many,
+    copy_framed_send,
+)
+from ucm_patch.hooks.stores.memcopy import address
 from ucm_patch.hooks.stores.publish_channel import (
     MOST,
     Answer,
@@ -32,6 +39,7 @@ from ucm_patch.hooks.stores.publish_channel import (
     PublishClient,
     is_beside_forward,
 )
+from ucm_patch.hooks.stores.rowcopy import WORD
 from ucm_patch.hooks.stores.segment_index import LOC
 from ucm_patch.hooks.stores.tier_leases import Lease
 from ucm_patch.hooks.stores.tier_records import FRAME_AT, RECORD_HEADER, Record, record_bytes
@@ -181,17 +189,13 @@ class TierBesideWrites(TierWrites):
         takes the GIL back once, when the answer is there. False when that cannot be (no
         native helper, a buffer without an address, the channel not taking requests):
         nothing was done, the caller copies and publishes the usual way."""
-        entries = [
-            (key, view[at : at + len(payload)], payload, view[at - RECORD_HEADER : at],
-             digest + _PAD)
-            for view, at, (digest, key, payload) in self._placed(records, pending, parts)
-        ]  # fmt: skip
+        plan = self._send_plan(records, pending, parts)
         sent, spare = self._fragments(records, pending, parts)
         secret = self.secret
 
         def work(request: bytes, request_fd: int, answer_fd: int, timeout_s: float
                  ) -> tuple[bool, bool] | None:  # fmt: skip
-            return copy_framed_send(entries, request, request_fd, answer_fd, timeout_s, secret)
+            return copy_framed_send(plan, request, request_fd, answer_fd, timeout_s, secret)
 
         try:
             ran, answer = publisher.request_after(work, os.getpid(), [f for _p, f in sent],
@@ -204,6 +208,41 @@ class TierBesideWrites(TierWrites):
             return False
         self._settle(parts, sent, answer, last)
         return True
+
+    def _send_plan(self, records: Sequence[Record], pending: list[int], parts: list[_Part]
+                   ) -> SendPlan:  # fmt: skip
+        """Where each placed record goes, as addresses (:class:`~.framing.SendPlan`): a
+        part's mapping (a new batch of them) is asked for its address once, each record's
+        place added to it. Every record of a part ends by the part's end, checked here
+        against the mapping before anything is copied."""
+        self.files.new_batch()
+        keys: list[bytes] = []
+        payloads: list[memoryview | bytes] = []
+        leads: list[bytes] = []
+        dst_at = array(WORD)
+        held: list[memoryview] = []
+        for part in parts:
+            if part.stop == part.first:
+                continue
+            view = self.files.mapping(part.lease.seg, part.end, write=True)
+            base = address(view) if view is not None else None
+            if base is None:  # a spilling tier is mapped, and writable
+                raise StoreError(f"{self.name} tier: segment {part.lease.seg} has no mapping")
+            held.append(view)
+            off = part.lease.end
+            for i in pending[part.first : part.stop]:
+                digest, key, payload = records[i]
+                at = off + RECORD_HEADER
+                keys.append(key)
+                payloads.append(payload)
+                leads.append(digest + _PAD)
+                dst_at.append(base + at)
+                off = (at + len(payload) + 63) & ~63
+            if off > min(part.end, len(view)):
+                raise StoreError(f"{self.name} tier: records of segment {part.lease.seg} end "
+                                 f"at {off}, past its part ({part.end}) or mapping "
+                                 f"({len(view)})")  # fmt: skip
+        return SendPlan(keys, payloads, leads, dst_at, held)
 
     def _placed(self, records: Sequence[Record], pending: list[int], parts: list[_Part]
                 ) -> list[tuple[memoryview, int, Record]]:  # fmt: skip
