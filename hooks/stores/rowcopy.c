@@ -18,9 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -331,17 +329,18 @@ static int start_detached(void *(*main)(void *))
  * its batch, since the copier reads the caller's buffers. A caller that finds every
  * slot taken frames its batch alone.
  *
- * The copier runs at the lowest priority (COPIER_NICE): it is help for a copy its caller
- * does anyway, so it takes only a core nothing else wants, never one from the forward,
- * the serving threads, or the store's cleaner process, whose answers a dump thread
- * waits for. A caller waiting for the value the copier frames sleeps (a few tens of
- * microseconds at a time), so that the copier gets the core if it waits for that one. */
+ * The copier runs at the priority of the thread that started it (a dump thread's): it
+ * is one more thread of a put, sharing the cores with the forward as the dump threads
+ * do. At the lowest priority it took only a core nothing else wanted, and beside the
+ * forward on a host of few cores that was none: the dump thread that began late still
+ * framed its batch alone (docs/CONNECTOR.md, "The copier" has the figures of both). A
+ * caller waiting for the value the copier frames sleeps (a few tens of microseconds at
+ * a time), so that the copier gets the core if it waits for that one. */
 /* Below this a batch is framed by its caller alone: a wake-up costs about what it saves,
  * and a put of a value or two (a full store's, a decode step's row) never waits for a
  * copier that a busier thread has taken the core from. */
 #define COPY_MIN_BYTES ((size_t)8 << 20)
 #define COPIER_SLOTS 4
-#define COPIER_NICE 19 /* the copier thread's niceness (above: why the lowest) */
 
 enum { COPIER_IDLE, COPIER_FILLING, COPIER_POSTED, COPIER_RUNNING, COPIER_DONE };
 
@@ -417,7 +416,6 @@ static void *copier_main(void *unused)
 {
     (void)unused;
     pthread_setname_np(pthread_self(), "ucm-copier");
-    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), COPIER_NICE);
     void *state = NULL;
     const struct xxh3_api *made = NULL;
     for (;;) {

@@ -7,8 +7,9 @@ interval: on the H100 the load threads spent several times the work of a value w
 for it (docs/GPU.md, run 4). ``rowcopy.c`` does a whole row's copies and checksums in
 one call, piece by piece (each piece of a copy hashed from its source, then written from
 the cache it was just read into: rowcopy.c says why). A put's framing of 8 MiB or more
-is shared with the process's copier, a thread of the helper at the lowest priority that
-takes values of the same batch (:func:`copier_stats`; rowcopy.c says why).
+is shared with the process's copier, a thread of the helper (at the priority of the dump
+thread that started it) that takes values of the same batch (:func:`copier_stats`;
+rowcopy.c says why).
 
 The C file is compiled with the host's C compiler (``$CC``, else ``cc``) the first time a
 process needs it, into ``$XDG_CACHE_HOME/ucm_patch/native`` (``~/.cache`` by default;
