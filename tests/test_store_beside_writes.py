@@ -325,18 +325,21 @@ def test_a_put_placed_past_its_part_copies_nothing(store: LocalStore) -> None:
     _beside(place)
 
 
-def test_fstat_held_answers_what_os_fstat_answers(tmp_path: Path) -> None:
-    """Size and link count as ``os.fstat``'s, for a file and for one removed (0 links: a
-    segment deleted behind the store); a bad descriptor raises OSError naming it."""
+def test_fstat_held_answers_what_a_segment_check_reads(tmp_path: Path) -> None:
+    """A file's size as ``os.fstat``'s, and whether it is linked (a second link
+    included); 0 links once removed (a segment deleted behind the store); a bad
+    descriptor raises OSError naming it."""
     path = tmp_path / "f"
     path.write_bytes(os.urandom(12345))
     fd = os.open(path, os.O_RDONLY)
     try:
-        for _ in range(2):
-            st, got = os.fstat(fd), rowcopy.fstat_held(fd)
-            assert (got.st_size, got.st_nlink) == (st.st_size, st.st_nlink)
-            path.unlink(missing_ok=True)
-        assert rowcopy.fstat_held(fd).st_nlink == 0
+        got = rowcopy.fstat_held(fd)
+        assert (got.st_size, got.st_nlink) == (12345, 1) == (os.fstat(fd).st_size, 1)
+        os.link(path, tmp_path / "g")
+        assert rowcopy.fstat_held(fd).st_nlink >= 1 and os.fstat(fd).st_nlink == 2
+        path.unlink()
+        (tmp_path / "g").unlink()
+        assert os.fstat(fd).st_nlink == 0 and rowcopy.fstat_held(fd).st_nlink == 0
     finally:
         os.close(fd)
     with pytest.raises(OSError, match=f"fd {fd}"):
@@ -355,7 +358,7 @@ def test_frame_send_refuses_columns_of_several_lengths() -> None:
     head = memoryview(bytearray(8))
     planned = rowcopy.send_columns([(dst, src, b"material", head, b"lead")])
     assert planned is not None
-    cols, head_len, _held = planned
+    cols, head_len = planned
     short = cols._replace(size=array(rowcopy.WORD))
     with pytest.raises(ValueError, match="column size has 0 entries"):
         rowcopy.frame_send(short, head_len, -1, b"", -1, 0.0)

@@ -60,9 +60,10 @@ import struct
 import zlib
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 from operator import add
-from typing import Any, NamedTuple
+from typing import Any
 
 from ucm_patch import environment
 from ucm_patch.hooks.stores import rowcopy
@@ -264,7 +265,8 @@ def copy_framed_many(
     return [p + _U32.pack(d & _LOW32) for p, d in zip(prefixes, digests, strict=True)]
 
 
-class SendPlan(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class SendPlan:
     """A put's records placed for :func:`copy_framed_send`: record ``i`` is ``keys[i]``
     with ``payloads[i]``, copied to the address ``dst_at[i]``, its record header right
     before it (``leads[i]``, then the frame header). Every address lies inside a mapping
@@ -276,7 +278,8 @@ class SendPlan(NamedTuple):
     dst_at: array[int]
     held: list[memoryview]
 
-    def __len__(self) -> int:  # type: ignore[override]  # records, not fields
+    def __len__(self) -> int:
+        """The records."""
         return len(self.keys)
 
 

@@ -949,17 +949,16 @@ int ucm_frame_send(size_t n, char *const *dst, const char *const *src, const siz
     return wait_fd(ans_fd, POLLIN, deadline) > 0 ? SEND_ANSWERED : SEND_LATE;
 }
 
-/* A file's size and link count (out[0], out[1]), for a caller that keeps the interpreter
- * lock (loaded through ctypes.PyDLL): 0, or the errno of fstat. A memory tier's put or
- * read checks each segment's file once per batch; os.fstat gives the lock up around the
- * call, and beside vLLM's forward, a thread that keeps it, taking it back waits up to the
- * switch interval, for a call of a microsecond on a tmpfs. */
-int ucm_fstat_held(int fd, int64_t *out)
+/* A file's size, for a caller that keeps the interpreter lock (loaded through
+ * ctypes.PyDLL): st_size, or -1 when the file has no link left (deleted), or -2 - errno
+ * when fstat failed. A memory tier's put or read checks each segment's file once per
+ * batch; os.fstat gives the lock up around the call, and beside vLLM's forward, a thread
+ * that keeps it, taking it back can wait up to the switch interval, for a call of a
+ * microsecond on a tmpfs. */
+int64_t ucm_fstat_held(int fd)
 {
     struct stat st;
     if (fstat(fd, &st) != 0)
-        return errno;
-    out[0] = (int64_t)st.st_size;
-    out[1] = (int64_t)st.st_nlink;
-    return 0;
+        return -2 - (int64_t)errno;
+    return st.st_nlink == 0 ? -1 : (int64_t)st.st_size;
 }

@@ -75,8 +75,8 @@ class _Helper:
         # the same library through PyDLL: its calls keep the GIL (for a system call of a
         # microsecond, which os.* would give the GIL up around)
         self.fstat_held = ctypes.PyDLL(lib._name).ucm_fstat_held
-        self.fstat_held.argtypes = [ctypes.c_int, ctypes.c_void_p]
-        self.fstat_held.restype = ctypes.c_int
+        self.fstat_held.argtypes = [ctypes.c_int]
+        self.fstat_held.restype = ctypes.c_int64
         self.fn = fn
         self.scatter = scatter
         self.frame = frame
@@ -223,8 +223,7 @@ def _self_test_send(helper: _Helper, src: memoryview, material: bytes, framed: i
         head = memoryview(bytearray(8))
         planned = send_columns([(copy, src, material, head, b"lead")])
         assert planned is not None  # bytearrays have addresses
-        cols, head_len, _held = planned
-        got = _frame_send(helper, cols, head_len, request_w, b"request", answer_r, 1.0)
+        got = _frame_send(helper, *planned, request_w, b"request", answer_r, 1.0)
         sent = os.read(request_r, 64)
     finally:
         for fd in (request_r, request_w, answer_r, answer_w):
@@ -456,7 +455,8 @@ class CopierStats(NamedTuple):
 
 class FileState(NamedTuple):
     """What :func:`fstat_held` answers of a file (the fields of ``os.stat_result`` that
-    a segment's check reads)."""
+    a segment's check reads): its size, and 1 for a file with links (its count is not
+    kept), 0 for one deleted."""
 
     st_size: int
     st_nlink: int
@@ -471,11 +471,16 @@ def fstat_held(fd: int) -> FileState | os.stat_result:
     helper = _get()
     if helper is None:
         return os.fstat(fd)
-    out = (ctypes.c_int64 * 2)()
-    err = helper.fstat_held(fd, out)
-    if err:
-        raise OSError(err, f"fstat of fd {fd}: {os.strerror(err)}")
-    return FileState(out[0], out[1])
+    size = helper.fstat_held(fd)
+    if size >= 0:
+        return FileState(size, 1)  # linked at least once: all a check asks
+    if size == -1:
+        return _REMOVED
+    err = -2 - size
+    raise OSError(err, f"fstat of fd {fd}: {os.strerror(err)}")
+
+
+_REMOVED = FileState(0, 0)  # a file with no link left (deleted behind the store)
 
 
 def copier_stats() -> CopierStats | None:
@@ -537,7 +542,7 @@ def _frame_send(
     answer_fd: int, timeout_s: float,
 ) -> tuple[int, list[int], int] | None:  # fmt: skip
     # Columns by address, as _scatter's: this runs on a dump thread with the GIL held,
-    # beside the forward (docs/CONNECTOR.md, "The Python before a dump's native copy").
+    # beside the forward (docs/CONNECTOR.md, "the Python before a dump's native copy").
     n = len(cols.dst)
     for name, column in zip(SendColumns._fields, cols, strict=True):
         if len(column) != n or column.typecode != _WORD:
@@ -557,12 +562,13 @@ def _frame_send(
 
 def send_columns(
     items: Sequence[tuple[memoryview, memoryview | bytes, bytes, memoryview, bytes]],
-) -> tuple[SendColumns, int, tuple[bytes, ...]] | None:
+) -> tuple[SendColumns, int] | None:
     """:class:`SendColumns` of (dst, src, seed material, the record header's place (its
     bytes and 4 more), the header's bytes before the checksum) per value, each buffer
-    checked here: (the columns, ``head_len``, the objects they point into beyond the
-    items); None where a buffer has no address. For a few values (the self-test): a put
-    builds its columns from the places it computed (:func:`~.framing.copy_framed_send`)."""
+    checked here: (the columns, ``head_len``), pointing into ``items``, which the caller
+    holds until the call; None where a buffer has no address. For a few values (the
+    self-test): a put builds its columns from the places it computed
+    (:func:`~.framing.copy_framed_send`)."""
     cols = SendColumns(*_cols(_WORD, 7))
     head_len = len(items[0][4]) if items else 0
     for i, (d, s, material, head, lead) in enumerate(items):
@@ -576,7 +582,7 @@ def send_columns(
                   bytes_address(lead))  # fmt: skip
         for column, value in zip(cols, values, strict=True):
             column.append(value)
-    return cols, head_len, tuple(m for _d, _s, m, _h, _l in items)
+    return cols, head_len
 
 
 #: One value of :func:`scatter_verify_many`: (src, seed, want, target); the seed as in

@@ -38,6 +38,7 @@ from typing import Any
 from ucm_patch.hooks.stores.framing import CorruptValue
 from ucm_patch.hooks.stores.memcopy import copy_bytes
 from ucm_patch.hooks.stores.ownership import ForeignFile, open_file
+from ucm_patch.hooks.stores.publish_channel import is_beside_forward
 from ucm_patch.hooks.stores.rowcopy import FileState, fstat_held
 
 log = logging.getLogger(__name__)
@@ -292,8 +293,9 @@ class MappedSegments(FileSegments):
 
     def _fstat(self, fd: int) -> FileState | os.stat_result:
         # A tmpfs file's fstat never waits for a device: made with the GIL kept, it costs
-        # a dump or load thread beside the forward no take back (rowcopy.fstat_held).
-        return fstat_held(fd)
+        # a dump thread beside the forward no take back (rowcopy.fstat_held); elsewhere
+        # (the cleaner process, a put from the main thread) as it always was.
+        return fstat_held(fd) if is_beside_forward() else os.fstat(fd)
 
     def _opened(self, seg: int, fd: int, create: bool) -> tuple[mmap.mmap, memoryview]:
         writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
