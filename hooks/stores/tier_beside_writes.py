@@ -211,43 +211,34 @@ class TierBesideWrites(TierWrites):
 
     def _send_plan(self, records: Sequence[Record], pending: list[int], parts: list[_Part]
                    ) -> SendPlan:  # fmt: skip
-        """Where each placed record goes, as addresses (:class:`~.framing.SendPlan`): a
-        part's mapping (a new batch of them) is asked for its address once, each record's
-        place added to it. Every record of a part ends by the part's end, checked here
-        against the mapping before anything is copied."""
-        self.files.new_batch()
+        """Where each placed record goes (:meth:`_placed`), as addresses
+        (:class:`~.framing.SendPlan`): each part's mapping asked for its address once,
+        each record's place added to it."""
         keys: list[bytes] = []
         payloads: list[memoryview | bytes] = []
         leads: list[bytes] = []
         dst_at = array(WORD)
         held: list[memoryview] = []
-        for part in parts:
-            if part.stop == part.first:
-                continue
-            view = self.files.mapping(part.lease.seg, part.end, write=True)
-            base = address(view) if view is not None else None
-            if base is None:  # a spilling tier is mapped, and writable
-                raise StoreError(f"{self.name} tier: segment {part.lease.seg} has no mapping")
-            held.append(view)
-            off = part.lease.end
-            for i in pending[part.first : part.stop]:
-                digest, key, payload = records[i]
-                at = off + RECORD_HEADER
-                keys.append(key)
-                payloads.append(payload)
-                leads.append(digest + _PAD)
-                dst_at.append(base + at)
-                off = (at + len(payload) + 63) & ~63
-            if off > min(part.end, len(view)):
-                raise StoreError(f"{self.name} tier: records of segment {part.lease.seg} end "
-                                 f"at {off}, past its part ({part.end}) or mapping "
-                                 f"({len(view)})")  # fmt: skip
+        base = 0
+        for view, at, (digest, key, payload) in self._placed(records, pending, parts):
+            if not held or view is not held[-1]:
+                found = address(view)
+                if found is None:  # a spilling tier is mapped, and writable
+                    raise StoreError(f"{self.name} tier: a segment's mapping is not writable")
+                base = found
+                held.append(view)
+            keys.append(key)
+            payloads.append(payload)
+            leads.append(digest + _PAD)
+            dst_at.append(base + at)
         return SendPlan(keys, payloads, leads, dst_at, held)
 
     def _placed(self, records: Sequence[Record], pending: list[int], parts: list[_Part]
                 ) -> list[tuple[memoryview, int, Record]]:  # fmt: skip
         """Where each placed record goes, in order: its segment's mapping (a new batch
-        of them), where its payload starts there, the record."""
+        of them), where its payload starts there, the record. Every record of a part
+        ends by the part's end, checked against the mapping before anything is copied
+        (:meth:`_send_plan`'s copy is by address). StoreError when one does not."""
         self.files.new_batch()
         out: list[tuple[memoryview, int, Record]] = []
         for part in parts:
@@ -261,6 +252,10 @@ class TierBesideWrites(TierWrites):
                 at = off + RECORD_HEADER
                 out.append((view, at, record))
                 off = (at + len(record[2]) + 63) & ~63
+            if off > min(part.end, len(view)):
+                raise StoreError(f"{self.name} tier: records of segment {part.lease.seg} end "
+                                 f"at {off}, past its part ({part.end}) or mapping "
+                                 f"({len(view)})")  # fmt: skip
         return out
 
     def _write_parts(self, records: Sequence[Record], pending: list[int], parts: list[_Part]
