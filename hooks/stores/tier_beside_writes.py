@@ -189,7 +189,12 @@ class TierBesideWrites(TierWrites):
         takes the GIL back once, when the answer is there. False when that cannot be (no
         native helper, a buffer without an address, the channel not taking requests):
         nothing was done, the caller copies and publishes the usual way."""
-        plan = self._send_plan(records, pending, parts)
+        try:
+            plan = self._send_plan(records, pending, parts)
+        except BaseException:
+            for part in parts:
+                self._seal_quietly(part.lease)
+            raise
         sent, spare = self._fragments(records, pending, parts)
         secret = self.secret
 
