@@ -366,3 +366,24 @@ def test_frame_send_refuses_columns_of_several_lengths() -> None:
     with pytest.raises(ValueError, match="column seed_len has 1 entries of 'b'"):
         rowcopy.frame_send(narrow, head_len, -1, b"", -1, 0.0)
     assert dst == bytes(4096)  # nothing copied
+
+
+def test_a_put_whose_placement_fails_gives_its_leases_back(
+    store: LocalStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A placement that fails before the copy (records past their part, a mapping lost)
+    raises, and the leases the put held are given back, not kept leased by a process
+    that will never write them."""
+    memory, _channels = _serving(store)
+    per_segment = SEG // record_bytes(VALUE)
+    keys = [f"k{i}" for i in range(per_segment + per_segment // 2)]  # two segments
+    mine = {seg for seg, row in memory.index.segments().items() if row.owner == os.getpid()}
+
+    def lost(*_a: object) -> None:
+        raise StoreError("memory tier: records of segment 0 end at 1, past its part")
+
+    monkeypatch.setattr(tier_beside_writes.TierBesideWrites, "_placed", lost)
+    with pytest.raises(StoreError, match="past its part"):
+        _beside(lambda: store.put_many([(k, value(k)) for k in keys]))
+    after = {seg for seg, row in memory.index.segments().items() if row.owner == os.getpid()}
+    assert not after - mine and not memory.holds_kept_lease()
