@@ -189,25 +189,20 @@ class TierBesideWrites(TierWrites):
         takes the GIL back once, when the answer is there. False when that cannot be (no
         native helper, a buffer without an address, the channel not taking requests):
         nothing was done, the caller copies and publishes the usual way."""
+        secret = self.secret
         try:
             plan = self._send_plan(records, pending, parts)
-        except BaseException:
-            for part in parts:
-                self._seal_quietly(part.lease)
-            raise
-        sent, spare = self._fragments(records, pending, parts)
-        secret = self.secret
+            sent, spare = self._fragments(records, pending, parts)
 
-        def work(request: bytes, request_fd: int, answer_fd: int, timeout_s: float
-                 ) -> tuple[bool, bool] | None:  # fmt: skip
-            return copy_framed_send(plan, request, request_fd, answer_fd, timeout_s, secret)
+            def work(request: bytes, request_fd: int, answer_fd: int, timeout_s: float
+                     ) -> tuple[bool, bool] | None:  # fmt: skip
+                return copy_framed_send(plan, request, request_fd, answer_fd, timeout_s,
+                                        secret)  # fmt: skip
 
-        try:
             ran, answer = publisher.request_after(work, os.getpid(), [f for _p, f in sent],
                                                   need=last, leases=spare)  # fmt: skip
         except BaseException:
-            for part in parts:
-                self._seal_quietly(part.lease)
+            self._give_back(parts)
             raise
         if not ran:
             return False
@@ -282,11 +277,16 @@ class TierBesideWrites(TierWrites):
             for (view, start, digest), header in zip(heads, headers, strict=True):
                 view[start : start + RECORD_HEADER] = digest + _PAD + header
         except BaseException as exc:
-            for part in parts:
-                self._seal_quietly(part.lease)
+            self._give_back(parts)
             if isinstance(exc, OSError):
                 raise StoreError(f"{self.name} tier: cannot write: {exc}") from exc
             raise
+
+    def _give_back(self, parts: list[_Part]) -> None:
+        """A put that failed before its publish gives its leases back (sealed): a process
+        that will never write them must not keep them leased."""
+        for part in parts:
+            self._seal_quietly(part.lease)
 
     def _fragments(
         self, records: Sequence[Record], pending: list[int], parts: list[_Part]
