@@ -395,6 +395,10 @@ def _dump_all(sched: Any, client: Any, store: Any, rows: list[list[str]],
 
     def submit() -> None:
         started.append(time.perf_counter())
+        # as the connector's bind does (WorkerSide._open_dumps): the step's dumps told to
+        # the store as it starts, which asks for their leases without waiting
+        count = sum(len(keys) for keys in rows)
+        store.expect_puts(count, count * len(data[0]), sched.config["workers"])
         batch = client.open_batch([tag], stamped)
         for r, keys in enumerate(rows):
             values = [data[i % len(data)] for i in range(len(keys))]

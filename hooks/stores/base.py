@@ -199,5 +199,11 @@ class KVStore(ABC):
         """A process that will write starts what its writes use now, at start, not on its
         first put (the default: nothing to start)."""
 
+    def expect_puts(self, values: int, nbytes: int, puts: int) -> None:  # noqa: B027
+        """``values`` values of ``nbytes`` in all are about to be put, in about ``puts``
+        puts from the dump threads (a step's dumps, told on the forward's thread when
+        the step starts): a store may get ready for them now, but never waits here (the
+        default: nothing to do)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release connections / handles. Idempotent."""

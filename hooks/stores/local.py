@@ -393,6 +393,14 @@ class LocalStore(LocalWrites, LocalReads):
         if self.memory is not None:
             self.memory.cleaner.ensure_started()
 
+    def expect_puts(self, values: int, nbytes: int, puts: int) -> None:
+        """The memory tier asks its cleaner process for the leases those puts need beyond
+        the ones kept, without waiting (:meth:`Tier.expect_puts`); a closed store, or a
+        channel that cannot take the request now, asks nothing."""
+        memory = self.memory
+        if memory is not None and not self._closed:
+            memory.expect_puts(values, nbytes, puts)
+
     def wait_writes_ready(self, timeout: float = 30.0) -> bool:
         """Wait until what :meth:`prepare_writes` started serves (the cleaner process
         answers on its publish channels): False on timeout. For benchmarks and tools

@@ -210,6 +210,49 @@ class PublishClient:
             self._owed = number
             return True, self._with_orphans(self._take_answer(readable), orphans)
 
+    def send_ahead(self, owner: int, need: int, leases: int) -> bool:
+        """Ask for up to ``leases`` segments with room for ``need`` bytes for ``owner``,
+        and do not wait for them: the answer is read later by :meth:`take_ahead`, by any
+        thread, with the GIL kept. False, with nothing sent, when another thread uses the
+        channel now, an answer is owed on it, or it cannot take requests. A write to a
+        non-blocking pipe with the GIL kept: a caller on the forward's thread waits for
+        nothing."""
+        if leases <= 0 or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._catch_up()
+            if self.broken or self._owed is not None:
+                return False
+            request = _body(owner, (), need, min(leases, MOST))
+            self._number = number = self._number % 0xFFFFFFFF + 1
+            try:
+                self._send(struct.pack("<I", number) + request[4:])
+            except OSError:
+                self.broken = True
+                return False
+            self._owed = number
+            return True
+        finally:
+            self._lock.release()
+
+    @property
+    def owes(self) -> bool:
+        """Whether an answer is owed on this channel, or leases answered late are held."""
+        return self._owed is not None or bool(self._orphans)
+
+    def take_ahead(self) -> list[Claimed]:
+        """The leases answered so far to :meth:`send_ahead` (and to requests given up
+        on), never waited for: what is there is read with the GIL kept. [] when none
+        came yet, or when another thread uses the channel now."""
+        if not self.owes or not self._lock.acquire(blocking=False):
+            return []
+        try:
+            self._catch_up()
+            got, self._orphans = self._orphans, []
+            return got
+        finally:
+            self._lock.release()
+
     def _take_orphans(self, leases: int) -> list[Claimed]:
         """Up to ``leases`` of the leases answered late, for this request (lock held)."""
         orphans: list[Claimed] = []

@@ -183,6 +183,9 @@ class Tier(TierBesideWrites, TierReads, TierLeases, TierEmptying):
         self._kept: list[Lease] = []
         self._kept_pid = os.getpid()
         self._kept_lock = threading.Lock()
+        # the channel and pid of a lease request sent ahead of a step's puts, its answer
+        # not taken yet (TierBesideWrites.expect_puts)
+        self._ahead = None
         # Segments hold the largest value the caller will put (``value_bytes``, 0: not
         # known): refused before anything is created when fewer than MIN_SEGMENTS fit.
         need = segment_for(value_bytes)

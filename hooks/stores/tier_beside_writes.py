@@ -7,8 +7,9 @@ the GIL up for something that takes a while (a copy of megabytes, a wait for ano
 process's answer) it waits up to the switch interval to get it back. The put path of
 :class:`~.tier_writes.TierWrites` does, per segment a put spans, a copy, a publish and,
 for the next segment, a lease: about five such waits for a put of a segment and a bit.
-Here the put's leases come first (those the process keeps, else one request for all it
-needs), its values are copied and framed into every segment in one native call, and its
+Here the put's leases come first (those the process keeps, those asked for when the
+step started, :meth:`TierBesideWrites.expect_puts`, else one request for all it needs),
+its values are copied and framed into every segment in one native call, and its
 publishes (each full segment given back in its own) go in one request, which also asks,
 once this put filled a segment, for leases with room for a put like it (at most
 :func:`spare_segments`), kept for the next. A put then waits twice: its copy and its
@@ -21,6 +22,7 @@ native helper) is left to :meth:`TierWrites.put`, which does it the usual way.
 from __future__ import annotations
 
 import os
+import time
 from array import array
 from collections.abc import Sequence
 
@@ -125,6 +127,44 @@ class TierBesideWrites(TierWrites):
                     out[i] = ok
         return out
 
+    def expect_puts(self, values: int, nbytes: int, puts: int) -> None:
+        """``values`` values of ``nbytes`` in all follow, in about ``puts`` puts from
+        threads beside the forward (a step's dumps, told by the forward's thread when the
+        step starts): one lease request for the segments they need beyond the leases
+        this process keeps (at most the tier's reserve), sent now and never waited for.
+        Its answer is kept by the first put that finds it there (:meth:`_take_ahead`).
+
+        Why: a put that finds no lease kept asks for its own first, and beside the
+        forward that request's answer costs its thread a GIL take, up to the switch
+        interval, before its copy can begin; a process gives its kept leases back after
+        an idle second, so the first step after one pays this in every dump thread. Sent
+        with the step's start, the answer is usually there when the first put looks.
+        Nothing is sent where the beside put would not ask the channel either."""
+        if values <= 0 or nbytes <= 0 or self.spill is None or self.secret is not None:
+            return
+        dry = self._dry
+        if self._ahead is not None or (dry is not None and time.monotonic() < dry[1]):
+            return  # one asked already, its answer not taken; or the reserve ran dry
+        # this thread's own channel: a dump thread that shares it (more threads than
+        # channels) publishes itself while the answer is owed
+        publisher = self.cleaner.publisher
+        if publisher is None:
+            return
+        size = record_bytes(-(-nbytes // values))
+        per = self.segment_bytes // size
+        if per < 1:
+            return
+        puts = max(1, min(puts, values))
+        share = -(-values // puts)
+        # one more: the first segment claimed may be one given back with values in it
+        # (the most recently used with room is claimed before a ready one)
+        need = puts * -(-share // per) + 1
+        with self._kept_lock:
+            kept = len(self._kept) if self._kept_pid == os.getpid() else 0
+        want = min(need - kept, self.reserve, MOST)
+        if want > 0 and publisher.send_ahead(os.getpid(), size, want):
+            self._ahead = (os.getpid(), publisher)
+
     def _put_beside(
         self, publisher: PublishClient, records: Sequence[Record], pending: list[int],
         out: list[bool],
@@ -134,6 +174,7 @@ class TierBesideWrites(TierWrites):
         dry): the ones left to :meth:`TierWrites.put` (the channel could not answer)."""
         me, room = os.getpid(), self.segment_bytes
         sizes = [record_bytes(len(records[i][2])) for i in pending]
+        self._take_ahead(sizes[0])  # leases asked for at the step's start, if there
         leases: list[Lease] = []
         parts: list[_Part] = []
         placed = 0

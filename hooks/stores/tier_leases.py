@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ucm_patch.hooks.ratelimit import RateLimitedLog
 from ucm_patch.hooks.stores.base import StoreError
-from ucm_patch.hooks.stores.publish_channel import is_beside_forward
+from ucm_patch.hooks.stores.publish_channel import PublishClient, is_beside_forward
 from ucm_patch.hooks.stores.segment_cleaner import LEASE_IDLE_S, SegmentCleaner
 from ucm_patch.hooks.stores.segment_index import SegmentIndex, SegRow, pid_alive
 from ucm_patch.hooks.stores.tier_records import Spill
@@ -62,6 +62,7 @@ class TierLeases:
     _kept: list[Lease]
     _kept_pid: int
     _kept_lock: threading.Lock
+    _ahead: tuple[int, PublishClient] | None
 
     # -- kept between puts ------------------------------------------------------------------
 
@@ -89,8 +90,28 @@ class TierLeases:
             return
         self.cleaner.ensure_started()
 
+    def _take_ahead(self, need: int) -> None:
+        """Keep the leases answered so far to the request of
+        :meth:`~.tier_beside_writes.TierBesideWrites.expect_puts`, read without waiting
+        (none when they have not come yet): the next puts take them as kept ones."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        pid, client = ahead
+        if pid != os.getpid():  # a forked child: that channel is its parent's
+            self._ahead = None
+            return
+        got = client.take_ahead()
+        if not client.owes:
+            self._ahead = None
+        for seg, gen, end, ready in got:
+            self._keep(self._leased(seg, gen, end, ready=ready), need)
+
     def release_idle_leases(self, idle_s: float = LEASE_IDLE_S) -> None:
-        """Give back the kept leases unused for ``idle_s`` (the cleaner, and close with 0)."""
+        """Give back the kept leases unused for ``idle_s`` (the cleaner, and close with 0),
+        those answered ahead and not taken by a put yet first kept (so, given back once
+        idle)."""
+        self._take_ahead(0)
         cutoff = time.monotonic() - idle_s
         with self._kept_lock:
             if self._kept_pid != os.getpid():

@@ -272,7 +272,7 @@ class WorkerSide(WorkerLoads):
                     keys, values = per_row[r]
                     keys.append(layout.key(block_hash, group, r, self.rank))
                     values.append(block_ids)
-        pages = 0
+        pages = n_values = nbytes = 0
         for r, (keys, values) in enumerate(per_row):
             view = self.views[r]
             if not keys:
@@ -292,7 +292,11 @@ class WorkerSide(WorkerLoads):
             # Built once per step: the per-layer submit allocates nothing.
             self._row_plans[r] = (keys, partial(copy_pages, view, idx, counts, self.staging))
             pages += len(flat)
+            n_values += len(keys)
+            nbytes += len(flat) * view.page_bytes
         stats.bump("dump_pages", pages)
+        if n_values:  # the store gets ready for the step's puts (their leases), never waits
+            self.store.expect_puts(n_values, nbytes, self.sched.config["workers"])
         if md.pinned:
             self._open_steps.append((md.step, batch))
 
