@@ -221,17 +221,7 @@ class PublishClient:
             return False
         try:
             self._catch_up()
-            if self.broken or self._owed is not None:
-                return False
-            request = _body(owner, (), need, min(leases, MOST))
-            self._number = number = self._number % 0xFFFFFFFF + 1
-            try:
-                self._send(struct.pack("<I", number) + request[4:])
-            except OSError:
-                self.broken = True
-                return False
-            self._owed = number
-            return True
+            return self._send_numbered(_body(owner, (), need, min(leases, MOST)))
         finally:
             self._lock.release()
 
@@ -295,16 +285,23 @@ class PublishClient:
     def _call(self, request: bytes) -> Answer | None:
         """Send ``request`` (its number 0: numbered here), wait for its answer; None when
         there is none to use (not serving, owed, late, ended, ERROR). With the lock held."""
-        if self.broken or self._owed is not None:
+        if not self._send_numbered(request):
             return None
+        return self._take_answer(True)
+
+    def _send_numbered(self, request: bytes) -> bool:
+        """Number ``request`` and send it, its answer then owed; False when the channel
+        cannot take it (not serving, an answer owed, ended). With the lock held."""
+        if self.broken or self._owed is not None:
+            return False
         self._number = number = self._number % 0xFFFFFFFF + 1
         try:
             self._send(struct.pack("<I", number) + request[4:])
         except OSError:
             self.broken = True  # the process ended, or stopped reading
-            return None
+            return False
         self._owed = number
-        return self._take_answer(True)
+        return True
 
     def _take_answer(self, wait: bool) -> Answer | None:
         """The owed answer, waited for up to :data:`ANSWER_TIMEOUT_S` when ``wait`` (else
